@@ -1,0 +1,472 @@
+"""The step plan: the contract between planner, runtime, tools and tests (DESIGN.md §4).
+
+A plan says, for one global batch, which tokens every HDP rank trains in which micro-batch, with
+which ring and offload ratio, and in which order. It is plain data: frozen dataclasses that
+round-trip through JSON, carry a content hash that ranks compare (D7), and check their own
+invariants in :meth:`StepPlan.validate`.
+
+Terms:
+    ring       the ordered tuple of HDP ranks that carry one micro-batch together; size 1 means
+               a local micro-batch that never communicates.
+    order      a global number per ring micro-batch; every rank runs its micro-batches in
+               increasing order, which makes the dynamic rings deadlock-free without barriers
+               (D5). With pipeline parallelism the members also hold it at the same local index.
+    seqs       the sequences the ring carries, in local buffer order (the same on every member).
+    pieces     this rank's real tokens of those sequences: the whole sequence on a ring of size
+               1, the zigzag share (parts i and 2N-1-i, see :mod:`.zigzag`) on a larger ring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from .zigzag import zigzag_share
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the invariant and the ids involved."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sequence:
+    """One sequence (document) of the global batch."""
+
+    id: int
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """Real tokens ``[start, end)`` of sequence ``seq`` held by one rank."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroBatch:
+    """One micro-batch as one rank sees it: the ring, the sequences it carries, this rank's share."""
+
+    order: int
+    ring: tuple[int, ...]
+    offload_ratio: float = 0.0
+    seqs: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ring)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens this rank holds in this micro-batch."""
+        return sum(p.end - p.start for p in self.pieces)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlan:
+    """The micro-batches of one HDP rank, in the order it runs them."""
+
+    rank: int
+    micro_batches: tuple[MicroBatch, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What the cost model predicts for a plan (not part of the content hash)."""
+
+    step_time_s: float
+    rank_time_s: tuple[float, ...]
+    p2p_bytes: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """The plan of one training step over ``hdp_size`` HDP ranks of ``capacity`` tokens each.
+
+    ``layers_per_stage`` (l in Eq. 3) is needed to check the memory budget of micro-batches
+    that offload activations; ``align`` is the zigzag padding alignment.
+    """
+
+    hdp_size: int
+    capacity: int
+    pp_size: int = 1
+    scheduler: str
+    sequences: tuple[Sequence, ...]
+    ranks: tuple[RankPlan, ...]
+    layers_per_stage: int = 1
+    align: int = 1
+    estimate: Estimate | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    # ------------------------------------------------------------------ queries
+    def sequence_lengths(self) -> dict[int, int]:
+        return {s.id: s.length for s in self.sequences}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.length for s in self.sequences)
+
+    def micro_batch_counts(self) -> list[int]:
+        return [len(r.micro_batches) for r in self.ranks]
+
+    def ring_sizes(self) -> list[int]:
+        """Size of every distinct ring micro-batch (one entry per order number)."""
+        seen: dict[int, int] = {}
+        for r in self.ranks:
+            for mb in r.micro_batches:
+                seen.setdefault(mb.order, mb.ring_size)
+        return [seen[k] for k in sorted(seen)]
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self, *, with_estimate: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": self.version,
+            "hdp_size": self.hdp_size,
+            "capacity": self.capacity,
+            "pp_size": self.pp_size,
+            "scheduler": self.scheduler,
+            "layers_per_stage": self.layers_per_stage,
+            "align": self.align,
+            "sequences": [{"id": s.id, "length": s.length} for s in self.sequences],
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "micro_batches": [
+                        {
+                            "order": mb.order,
+                            "ring": list(mb.ring),
+                            "offload_ratio": mb.offload_ratio,
+                            "seqs": list(mb.seqs),
+                            "pieces": [
+                                {"seq": p.seq, "start": p.start, "end": p.end} for p in mb.pieces
+                            ],
+                        }
+                        for mb in r.micro_batches
+                    ],
+                }
+                for r in self.ranks
+            ],
+        }
+        if with_estimate and self.estimate is not None:
+            out["estimate"] = {
+                "step_time_s": self.estimate.step_time_s,
+                "rank_time_s": list(self.estimate.rank_time_s),
+                "p2p_bytes": self.estimate.p2p_bytes,
+                **dict(self.estimate.extra),
+            }
+        if with_estimate and self.meta:
+            out["meta"] = dict(self.meta)
+        return out
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepPlan":
+        """Build a plan from :meth:`to_dict` output; malformed input raises :class:`PlanError`."""
+        try:
+            version = int(data.get("version", PLAN_VERSION))
+            if version != PLAN_VERSION:
+                raise PlanError(f"plan version {version} is not supported (expected {PLAN_VERSION})")
+            ranks = tuple(
+                RankPlan(
+                    rank=int(r["rank"]),
+                    micro_batches=tuple(
+                        MicroBatch(
+                            order=int(mb["order"]),
+                            ring=tuple(int(x) for x in mb["ring"]),
+                            offload_ratio=float(mb.get("offload_ratio", 0.0)),
+                            seqs=tuple(int(x) for x in mb.get("seqs", _seqs_of(mb["pieces"]))),
+                            pieces=tuple(
+                                Piece(seq=int(p["seq"]), start=int(p["start"]), end=int(p["end"]))
+                                for p in mb["pieces"]
+                            ),
+                        )
+                        for mb in r["micro_batches"]
+                    ),
+                )
+                for r in data["ranks"]
+            )
+            est = data.get("estimate")
+            estimate = None
+            if est is not None:
+                known = {"step_time_s", "rank_time_s", "p2p_bytes"}
+                estimate = Estimate(
+                    step_time_s=float(est["step_time_s"]),
+                    rank_time_s=tuple(float(x) for x in est["rank_time_s"]),
+                    p2p_bytes=int(est["p2p_bytes"]),
+                    extra={k: v for k, v in est.items() if k not in known},
+                )
+            return cls(
+                version=version,
+                hdp_size=int(data["hdp_size"]),
+                capacity=int(data["capacity"]),
+                pp_size=int(data.get("pp_size", 1)),
+                scheduler=str(data["scheduler"]),
+                layers_per_stage=int(data.get("layers_per_stage", 1)),
+                align=int(data.get("align", 1)),
+                sequences=tuple(
+                    Sequence(id=int(s["id"]), length=int(s["length"])) for s in data["sequences"]
+                ),
+                ranks=ranks,
+                estimate=estimate,
+                meta=dict(data.get("meta", {})),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan: {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepPlan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ hash
+    def content_hash(self) -> str:
+        """SHA-256 of the canonical JSON of everything but the estimate and meta (D7)."""
+        canonical = json.dumps(
+            self.to_dict(with_estimate=False), sort_keys=True, separators=(",", ":")
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> "StepPlan":
+        """Check every invariant of DESIGN.md §4; raise :class:`PlanError` naming the first broken one."""
+        _validate(self)
+        return self
+
+
+def _seqs_of(pieces: Iterable[Mapping[str, Any]]) -> list[int]:
+    out: list[int] = []
+    for p in pieces:
+        s = int(p["seq"])
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def resident_tokens(num_tokens: int, offload_ratio: float, layers_per_stage: int) -> float:
+    """Token-equivalents of activations kept on the device (Eq. 3's numerator, per rank).
+
+    Two layers stay resident; of the other ``l - 2`` layers the fraction ``1 - r`` stays.
+    """
+    l = layers_per_stage
+    if l <= 2 or offload_ratio <= 0.0:
+        return float(num_tokens)
+    return num_tokens * (2 + (1.0 - offload_ratio) * (l - 2)) / l
+
+
+def _validate(plan: StepPlan) -> None:
+    if plan.hdp_size < 1:
+        raise PlanError(f"hdp_size ({plan.hdp_size}) must be >= 1")
+    if plan.capacity < 1:
+        raise PlanError(f"capacity ({plan.capacity}) must be >= 1")
+    if plan.pp_size < 1:
+        raise PlanError(f"pp_size ({plan.pp_size}) must be >= 1")
+    if plan.align < 1 or plan.layers_per_stage < 1:
+        raise PlanError(f"align ({plan.align}) and layers_per_stage ({plan.layers_per_stage}) must be >= 1")
+    if len(plan.ranks) != plan.hdp_size:
+        raise PlanError(f"plan has {len(plan.ranks)} rank entries for hdp_size {plan.hdp_size}")
+    lengths: dict[int, int] = {}
+    for s in plan.sequences:
+        if s.id in lengths:
+            raise PlanError(f"sequence id {s.id} appears twice")
+        if s.length < 1:
+            raise PlanError(f"sequence {s.id}: length {s.length} must be >= 1")
+        lengths[s.id] = s.length
+
+    # order -> (ring, offload, seqs, {member: local index})
+    rings: dict[int, tuple[tuple[int, ...], float, tuple[int, ...], dict[int, int]]] = {}
+    covered: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    seq_order: dict[int, int] = {}
+    for idx, rp in enumerate(plan.ranks):
+        if rp.rank != idx:
+            raise PlanError(f"rank entry {idx} says rank {rp.rank}; entries must be in rank order")
+        last_order = None
+        for local, mb in enumerate(rp.micro_batches):
+            where = f"rank {idx} micro-batch {local} (order {mb.order})"
+            if last_order is not None and mb.order <= last_order:
+                raise PlanError(f"{where}: orders must increase on a rank (previous {last_order})")
+            last_order = mb.order
+            ring = mb.ring
+            if not ring or len(set(ring)) != len(ring):
+                raise PlanError(f"{where}: ring {list(ring)} must be non-empty with distinct ranks")
+            if any(not 0 <= m < plan.hdp_size for m in ring):
+                raise PlanError(f"{where}: ring {list(ring)} names a rank outside [0, {plan.hdp_size})")
+            if idx not in ring:
+                raise PlanError(f"{where}: rank {idx} is not a member of its ring {list(ring)}")
+            if not 0.0 <= mb.offload_ratio <= 1.0:
+                raise PlanError(f"{where}: offload_ratio {mb.offload_ratio} must be in [0, 1]")
+            if not mb.seqs:
+                raise PlanError(f"{where}: carries no sequence")
+            prev = rings.get(mb.order)
+            if prev is None:
+                rings[mb.order] = (ring, mb.offload_ratio, mb.seqs, {idx: local})
+            else:
+                pring, poff, pseqs, members = prev
+                if ring != pring:
+                    raise PlanError(f"{where}: ring {list(ring)} differs from another member's {list(pring)}")
+                if mb.offload_ratio != poff or mb.seqs != pseqs:
+                    raise PlanError(f"{where}: offload ratio or sequences differ between ring members")
+                members[idx] = local
+            position = ring.index(idx)
+            expected: list[Piece] = []
+            for sid in mb.seqs:
+                if sid not in lengths:
+                    raise PlanError(f"{where}: unknown sequence {sid}")
+                if seq_order.setdefault(sid, mb.order) != mb.order:
+                    raise PlanError(
+                        f"sequence {sid}: pieces sit in micro-batches of orders "
+                        f"{seq_order[sid]} and {mb.order}; one sequence belongs to one ring micro-batch"
+                    )
+                for start, end in zigzag_share(lengths[sid], len(ring), position, plan.align):
+                    expected.append(Piece(seq=sid, start=start, end=end))
+            if tuple(expected) != mb.pieces:
+                raise PlanError(
+                    f"{where}: pieces {[(p.seq, p.start, p.end) for p in mb.pieces]} are not the "
+                    f"zigzag share of ring position {position} "
+                    f"{[(p.seq, p.start, p.end) for p in expected]}"
+                )
+            for p in mb.pieces:
+                covered[p.seq].append((p.start, p.end, idx))
+            resident = resident_tokens(mb.num_tokens, mb.offload_ratio, plan.layers_per_stage)
+            if resident > plan.capacity + 1e-9:
+                raise PlanError(
+                    f"{where}: {mb.num_tokens} tokens with offload ratio {mb.offload_ratio} keep "
+                    f"{resident:.1f} token-equivalents resident, over capacity {plan.capacity}"
+                )
+
+    for order, (ring, _, _, members) in rings.items():
+        if set(members) != set(ring):
+            missing = sorted(set(ring) - set(members))
+            raise PlanError(f"order {order}: ring members {missing} have no such micro-batch")
+        if plan.pp_size > 1 and len(set(members.values())) != 1:
+            raise PlanError(
+                f"order {order}: with pp_size {plan.pp_size} ring members must hold the micro-batch "
+                f"at the same local index, got {dict(sorted(members.items()))}"
+            )
+
+    for sid, length in lengths.items():
+        spans = sorted(covered.get(sid, []))
+        pos = 0
+        for start, end, rank in spans:
+            if start != pos:
+                what = "overlap" if start < pos else "are missing"
+                raise PlanError(f"sequence {sid}: tokens {min(start, pos)}-{max(start, pos) - 1} {what} (rank {rank})")
+            pos = end
+        if pos != length:
+            raise PlanError(f"sequence {sid}: tokens {pos}-{length - 1} are in no piece")
+    for sid in covered:
+        if sid not in lengths:
+            raise PlanError(f"pieces name unknown sequence {sid}")
+
+
+def build_ring_micro_batches(
+    *,
+    order: int,
+    ring: Iterable[int],
+    seqs: Iterable[int],
+    lengths: Mapping[int, int],
+    align: int = 1,
+    offload_ratio: float = 0.0,
+) -> dict[int, MicroBatch]:
+    """The micro-batch of every member of ``ring`` carrying ``seqs`` (zigzag shares)."""
+    ring_t = tuple(int(r) for r in ring)
+    seqs_t = tuple(int(s) for s in seqs)
+    out: dict[int, MicroBatch] = {}
+    for pos, rank in enumerate(ring_t):
+        pieces = tuple(
+            Piece(seq=sid, start=a, end=b)
+            for sid in seqs_t
+            for a, b in zigzag_share(lengths[sid], len(ring_t), pos, align)
+        )
+        out[rank] = MicroBatch(
+            order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces
+        )
+    return out
+
+
+class PlanBuilder:
+    """Collects ring micro-batches in run order and assembles a :class:`StepPlan`.
+
+    Call :meth:`add` in the global order the ranks must follow; order numbers are assigned
+    0, 1, 2, ... in that sequence, so every rank's list is increasing by construction.
+    """
+
+    def __init__(
+        self,
+        *,
+        hdp_size: int,
+        capacity: int,
+        lengths: Mapping[int, int],
+        align: int = 1,
+    ) -> None:
+        self.hdp_size = hdp_size
+        self.capacity = capacity
+        self.lengths = dict(lengths)
+        self.align = align
+        self.per_rank: list[list[MicroBatch]] = [[] for _ in range(hdp_size)]
+        self._next_order = 0
+
+    def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
+        """Append one ring micro-batch to every member's list; returns its order number."""
+        order = self._next_order
+        self._next_order += 1
+        for rank, mb in build_ring_micro_batches(
+            order=order,
+            ring=ring,
+            seqs=seqs,
+            lengths=self.lengths,
+            align=self.align,
+            offload_ratio=offload_ratio,
+        ).items():
+            self.per_rank[rank].append(mb)
+        return order
+
+    def build(
+        self,
+        *,
+        scheduler: str,
+        pp_size: int = 1,
+        layers_per_stage: int = 1,
+        sequences: Iterable[Sequence] | None = None,
+        estimate: Estimate | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> StepPlan:
+        seqs = (
+            tuple(sequences)
+            if sequences is not None
+            else tuple(Sequence(id=i, length=n) for i, n in self.lengths.items())
+        )
+        return StepPlan(
+            hdp_size=self.hdp_size,
+            capacity=self.capacity,
+            pp_size=pp_size,
+            scheduler=scheduler,
+            sequences=seqs,
+            ranks=tuple(
+                RankPlan(rank=r, micro_batches=tuple(mbs)) for r, mbs in enumerate(self.per_rank)
+            ),
+            layers_per_stage=layers_per_stage,
+            align=self.align,
+            estimate=estimate,
+            meta=dict(meta or {}),
+        )

@@ -1,0 +1,128 @@
+"""Run a function on N CPU processes with a gloo process group, for tests and the CPU demo.
+
+Spawning costs seconds of imports per process on a 2-core machine, so tests start one group
+of processes and run many checks inside it. Failures come back as the child's traceback;
+a hang comes back as a timeout error naming the ranks that did not finish, never as a stuck
+test run.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: "mp.Queue",
+    timeout_s: float,
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put(("ok", rank, out))
+    except BaseException:  # report everything, including KeyboardInterrupt from a kill
+        results.put(("err", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    ``fn`` must be importable (a module-level function). Returns the per-rank return values
+    (which must be picklable) in rank order. Raises :class:`DistributedTestError` with every
+    failing rank's traceback, or with the ranks that did not finish within ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size ({world_size}) must be >= 1")
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue" = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="bytescale-dist-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(rank, world_size, init_file, fn, args, results, timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outputs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        try:
+            while len(outputs) + len(errors) < world_size:
+                try:
+                    status, rank, payload = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outputs) - set(errors))
+                    raise DistributedTestError(
+                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                        + _format_errors(errors)
+                    ) from None
+                if status == "ok":
+                    outputs[rank] = payload
+                else:
+                    errors[rank] = payload
+                    # one failure usually leaves the others blocked in a collective
+                    if len(errors) == 1:
+                        _drain_after_failure(results, outputs, errors, world_size, grace_s=10.0)
+                        break
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    if errors:
+        raise DistributedTestError(f"{len(errors)} of {world_size} ranks failed" + _format_errors(errors))
+    return [outputs[r] for r in range(world_size)]
+
+
+def _drain_after_failure(
+    results: "mp.Queue", outputs: dict, errors: dict, world_size: int, grace_s: float
+) -> None:
+    """Collect what the other ranks report for a short while after the first failure."""
+    while len(outputs) + len(errors) < world_size:
+        try:
+            status, rank, payload = results.get(timeout=grace_s)
+        except queue.Empty:
+            return
+        (outputs if status == "ok" else errors)[rank] = payload
+
+
+def _format_errors(errors: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))

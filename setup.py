@@ -1,0 +1,30 @@
+"""megatron_bytescale: ByteScale's Hybrid Data Parallelism as a Megatron-LM plugin."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_bytescale",
+    version="0.1.0",
+    description=(
+        "Hybrid Data Parallelism (ByteScale, SIGCOMM'25) for Megatron-LM: dynamic rings, "
+        "selective offload, balance scheduling"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_bytescale", "megatron_bytescale.*"]),
+    install_requires=[
+        "numpy>=1.24",
+        # torch: any importable build is kept; scripts/setup_env.sh installs the CPU wheel
+        # 2.13.0 only when none is importable (plain `pip install torch` pulls a CUDA build).
+        "torch>=2.4",
+        # 0.17+ declares Requires-Python>=3.12; 0.16.1 is the newest on Python 3.11.
+        "megatron-core>=0.16.1,<0.20",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6.80"],
+        "ray": ["ray>=2.9"],
+    },
+    entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},
+)
