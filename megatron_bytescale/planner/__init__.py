@@ -34,3 +34,25 @@ __all__ = [
     "zigzag_parts",
     "zigzag_share",
 ]
+
+# --- cost model, Eq. 3, schedulers, estimate, order (issue #2) ---------------------------------
+from .cost_model import CostModel  # noqa: E402
+from .estimate import estimate_plan, simulate_plan  # noqa: E402
+from .offload import OffloadDecision, solve_offload  # noqa: E402
+from .order import check_deadlock_free  # noqa: E402
+from .presets import HardwareSpec, ModelSpec, preset_cost_model  # noqa: E402
+from .schedulers import SCHEDULERS, make_plan  # noqa: E402
+
+__all__ += [
+    "CostModel",
+    "HardwareSpec",
+    "ModelSpec",
+    "OffloadDecision",
+    "SCHEDULERS",
+    "check_deadlock_free",
+    "estimate_plan",
+    "make_plan",
+    "preset_cost_model",
+    "simulate_plan",
+    "solve_offload",
+]

@@ -1,0 +1,254 @@
+"""The HDP data iterator: global batches in, this rank's planned micro-batches out.
+
+ByteScale plans a whole global batch at once (every rank must know every ring), so the unit
+this iterator hands to the schedule is a *step*, not a micro-batch: :class:`HDPStep` holds
+the step's plan, this rank's micro-batch count (which differs between ranks under the
+balance scheduler), the number of loss tokens of the whole global batch (the token-level loss
+denominator, DESIGN.md D6) and a lazily built stream of this rank's ``MicroBatchTensors`` in
+plan order.
+
+Planning (D7) happens in one of two modes:
+
+* ``every_rank``: each rank plans the same lengths with the same deterministic planner; no
+  communication is needed to agree.
+* ``rank0_broadcast``: HDP rank 0 plans and broadcasts the plan's JSON; useful when planning
+  is expensive or could differ between ranks (library versions, a timing-based cost model).
+
+In both modes every rank then all-gathers the plan's 32-byte content hash and stops with an
+error naming the disagreeing ranks if the hashes differ, before any rank trains on the plan.
+
+Sources: anything iterable that yields :class:`GlobalBatch` objects or plain lists of token
+sequences (sequence id = index). Token access goes through ``GlobalBatch.tokens_by_seq``, a
+mapping, so a source backed by a Megatron indexed dataset can hand in a lazy mapping that
+reads only the sequences this rank's pieces touch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_bytescale.planner.plan import MicroBatch, StepPlan
+
+if TYPE_CHECKING:
+    from megatron_bytescale.runtime import HDPGroup, MicroBatchTensors
+
+logger = logging.getLogger(__name__)
+
+PlanMode = Literal["every_rank", "rank0_broadcast"]
+Planner = Callable[[list[int]], StepPlan]
+TokenSequence = Union[Sequence[int], torch.Tensor, Any]  # list, tensor or numpy array
+
+
+class PlanMismatchError(RuntimeError):
+    """HDP ranks computed different plans for the same step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlobalBatch:
+    """One global batch: sequence ``i`` has ``lengths[i]`` tokens, ``tokens_by_seq[i]``."""
+
+    lengths: tuple[int, ...]
+    tokens_by_seq: Mapping[int, TokenSequence] | Sequence[TokenSequence]
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_sequences(cls, sequences: Sequence[TokenSequence], **meta: Any) -> "GlobalBatch":
+        """A global batch of in-memory token sequences."""
+        seqs = list(sequences)
+        return cls(lengths=tuple(len(s) for s in seqs), tokens_by_seq=seqs, meta=meta)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HDPStep:
+    """One planned training step as this HDP rank sees it."""
+
+    index: int
+    plan: StepPlan
+    plan_hash: str
+    hdp_rank: int
+    global_batch: GlobalBatch
+    global_loss_tokens: int
+    _build: Callable[[int], "MicroBatchTensors"] = field(repr=False)
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatch, ...]:
+        """This rank's planned micro-batches, in run order."""
+        return self.plan.ranks[self.hdp_rank].micro_batches
+
+    @property
+    def num_micro_batches(self) -> int:
+        """How many micro-batches this rank runs this step (0 is possible)."""
+        return len(self.micro_batches)
+
+    @property
+    def total_tokens(self) -> int:
+        """Real tokens of the whole global batch."""
+        return self.plan.total_tokens
+
+    def micro_batch_tensors(self) -> Iterator["MicroBatchTensors"]:
+        """This rank's micro-batches as tensors, built one at a time in plan order."""
+        for local_index in range(self.num_micro_batches):
+            yield self._build(local_index)
+
+
+def loss_tokens_of(lengths: Iterable[int]) -> int:
+    """Loss tokens of a global batch: every token but the last of each sequence has a label.
+
+    Labels are the next token of the *original* sequence, so a sequence of n tokens carries
+    n - 1 loss tokens however it is split over ranks.
+    """
+    return sum(max(0, int(n) - 1) for n in lengths)
+
+
+class HDPDataIterator:
+    """Plans each global batch of ``source`` and yields this rank's :class:`HDPStep`.
+
+    Args:
+        source: yields :class:`GlobalBatch` objects or lists of token sequences; every rank
+            must see the same global batches (the same deterministic source on every rank).
+        planner: ``lengths -> StepPlan`` (e.g. a configured ``planner.schedulers.make_plan``).
+        hdp: the runtime's ``HDPGroup`` (Megatron's data-parallel group under HDP).
+        plan_mode: ``"every_rank"`` or ``"rank0_broadcast"`` (see the module docstring).
+        check_plan_hash: all-gather and compare plan hashes every step.
+        device: where micro-batch tensors are built (None: the runtime's default).
+    """
+
+    def __init__(
+        self,
+        source: Iterable[GlobalBatch | Sequence[TokenSequence]],
+        *,
+        planner: Planner,
+        hdp: "HDPGroup",
+        plan_mode: PlanMode = "every_rank",
+        check_plan_hash: bool = True,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        if plan_mode not in ("every_rank", "rank0_broadcast"):
+            raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
+        self._source = iter(source)
+        self._planner = planner
+        self.hdp = hdp
+        self.plan_mode = plan_mode
+        self.check_plan_hash = check_plan_hash
+        self.device = device
+        self._step = 0
+
+    def __iter__(self) -> "HDPDataIterator":
+        return self
+
+    def __next__(self) -> HDPStep:
+        batch = next(self._source)
+        if not isinstance(batch, GlobalBatch):
+            batch = GlobalBatch.from_sequences(batch)
+        plan = self._plan(list(batch.lengths))
+        if plan.hdp_size != self.hdp.size:
+            raise ValueError(
+                f"the planner made a plan for {plan.hdp_size} HDP ranks, the HDP group has "
+                f"{self.hdp.size}"
+            )
+        plan_hash = plan.content_hash()
+        if self.check_plan_hash:
+            check_plan_hashes(plan_hash, self.hdp, step=self._step)
+        step = HDPStep(
+            index=self._step,
+            plan=plan,
+            plan_hash=plan_hash,
+            hdp_rank=self.hdp.rank,
+            global_batch=batch,
+            global_loss_tokens=loss_tokens_of(s.length for s in plan.sequences),
+            _build=self._builder(plan, batch),
+        )
+        self._step += 1
+        return step
+
+    def _plan(self, lengths: list[int]) -> StepPlan:
+        if self.plan_mode == "every_rank" or self.hdp.size == 1:
+            return self._planner(lengths).validate()
+        payload: list[Any] = [None]
+        if self.hdp.rank == 0:
+            payload[0] = self._planner(lengths).validate().to_json()
+        dist.broadcast_object_list(payload, src=self.hdp.global_rank(0), group=self.hdp.group)
+        return StepPlan.from_json(payload[0])
+
+    def _builder(self, plan: StepPlan, batch: GlobalBatch) -> Callable[[int], "MicroBatchTensors"]:
+        from megatron_bytescale.runtime import build_micro_batch
+
+        tokens = PlannedTokens(batch.tokens_by_seq, plan.sequence_lengths())
+
+        def build(local_index: int) -> "MicroBatchTensors":
+            return build_micro_batch(plan, self.hdp, local_index, tokens, device=self.device)
+
+        return build
+
+
+class PlannedTokens(Mapping):
+    """The tokens of each planned sequence, cut to the length the plan gives it.
+
+    The planner may truncate an overlong sequence (``overlong="truncate"``) or drop it; the
+    micro-batch builder wants exactly the planned tokens. Reads go to the source lazily, so a
+    source backed by files only loads the sequences this rank's pieces touch.
+    """
+
+    def __init__(
+        self,
+        source: Mapping[int, TokenSequence] | Sequence[TokenSequence],
+        lengths: Mapping[int, int],
+    ):
+        self._source = source
+        self._lengths = dict(lengths)
+
+    def __getitem__(self, seq: int) -> Any:
+        if seq not in self._lengths:
+            raise KeyError(seq)
+        tokens = self._source[seq]
+        length = self._lengths[seq]
+        return tokens[:length] if len(tokens) != length else tokens
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._lengths)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+
+def check_plan_hashes(plan_hash: str, hdp: "HDPGroup", *, step: int = 0) -> None:
+    """All-gather the plan hash over the HDP group; raise on every rank if they differ.
+
+    Every rank sees every hash, so every rank raises the same error and none is left waiting
+    in a later collective.
+    """
+    if hdp.size == 1:
+        return
+    device = collective_device(hdp.group)
+    mine = torch.tensor(list(bytes.fromhex(plan_hash)), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(hdp.size)]
+    dist.all_gather(gathered, mine, group=hdp.group)
+    hashes = [bytes(t.cpu().tolist()).hex() for t in gathered]
+    if len(set(hashes)) == 1:
+        return
+    by_hash: dict[str, list[int]] = {}
+    for rank, h in enumerate(hashes):
+        by_hash.setdefault(h, []).append(rank)
+    groups = "; ".join(f"HDP ranks {ranks} have {h[:12]}" for h, ranks in by_hash.items())
+    raise PlanMismatchError(
+        f"step {step}: the HDP ranks planned different steps ({groups}). Planning must be "
+        "deterministic on every rank: check that all ranks read the same global batch and use "
+        "the same cost model, or plan on rank 0 with --bytescale-plan-mode rank0_broadcast"
+    )
+
+
+def collective_device(group: Any) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on (NCCL: the current GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

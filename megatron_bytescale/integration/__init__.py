@@ -1,0 +1,55 @@
+"""The Megatron glue: the only layer that imports ``megatron.core`` (DESIGN.md §2).
+
+Public API (imported lazily, so ``import megatron_bytescale.integration`` stays cheap):
+
+====================================  =====================================================
+``initialize_hdp_model_parallel``     Megatron with CP = 1, DP = d_hdp; installs the HDP group
+``HDPGroupManager`` / ``get_hdp_manager``  HDP group + the micro-batch the attention runs now
+``HDPParallelLayout``                 refuses layouts HDP cannot serve (CP > 1, hybrid CP, PP > 1)
+``ByteScaleConfig`` / ``add_bytescale_args``  the ``--bytescale-*`` flags (extra_args_provider)
+``get_bytescale_layer_spec`` / ``swap_core_attention``  GPT layer spec with the ring attention
+``ByteScaleCoreAttention``            Megatron core-attention slot -> ``runtime.ring_attention``
+``ByteScaleGPTModel``                 GPTModel with RoPE at each token's original position
+``make_transformer_config`` / ``build_gpt_model`` / ``wrap_for_hdp``  model, DDP, optimizer
+``make_step_planner``                 ByteScaleConfig + cost model -> ``lengths -> StepPlan``
+``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the PP = 1 schedule driver
+``calibrate_cost_model``              fit the planner's cost model on the model being trained
+====================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "initialize_hdp_model_parallel": "groups",
+    "HDPGroupManager": "groups",
+    "HDPParallelLayout": "groups",
+    "get_hdp_manager": "groups",
+    "set_hdp_manager": "groups",
+    "ByteScaleConfig": "config",
+    "add_bytescale_args": "config",
+    "get_bytescale_layer_spec": "layer_spec",
+    "swap_core_attention": "layer_spec",
+    "ByteScaleCoreAttention": "core_attention",
+    "ByteScaleGPTModel": "model",
+    "make_transformer_config": "training",
+    "build_gpt_model": "training",
+    "wrap_for_hdp": "training",
+    "make_step_planner": "planning",
+    "run_hdp_step": "schedule",
+    "hdp_forward_step": "schedule",
+    "token_level_loss": "schedule",
+    "StepRecord": "schedule",
+    "calibrate_cost_model": "calibration",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,250 @@
+"""``ByteScaleConfig`` and the ``--bytescale-*`` command-line flags generated from it.
+
+The dataclass is the single source of truth: every field carries a docstring, and
+:func:`add_bytescale_args` turns the fields into an argparse group the way Megatron's
+``ArgumentGroupFactory`` does (``foo_bar`` becomes ``--bytescale-foo-bar``, stored as
+``args.bytescale_foo_bar``; the field docstring becomes the help; a bool becomes the pair
+``--bytescale-x`` / ``--no-bytescale-x``; a ``Literal`` becomes ``choices``). The function has
+the signature of Megatron's ``extra_args_provider(parser) -> parser``, so a patched
+``pretrain_gpt.py`` passes it straight through. :meth:`ByteScaleConfig.from_args` reads the
+parsed namespace back and validates it, raising ``ValueError`` that names the flag and value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal, Optional
+
+FLAG_PREFIX = "bytescale"
+
+SchedulerName = Literal["naive", "balance", "static", "pow2"]
+PlanMode = Literal["every_rank", "rank0_broadcast"]
+AttentionBackend = Literal["auto", "torch", "math", "flash_attn", "te"]
+OverlongPolicy = Literal["error", "drop", "truncate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ByteScaleConfig:
+    """Everything the plugin needs to know beyond Megatron's own arguments."""
+
+    hdp: bool = False
+    """Train with Hybrid Data Parallelism: Megatron runs with context-parallel size 1 and the
+    data-parallel group becomes the HDP group; every global batch is planned by ByteScale."""
+
+    capacity: Optional[int] = None
+    """Token capacity C of one HDP rank per micro-batch (the paper's C; Megatron's analogue is
+    --max-seqlen-per-dp-cp-rank). Defaults to --seq-length divided by the context-parallel size
+    the run asked for."""
+
+    scheduler: SchedulerName = "balance"
+    """How a global batch is planned: 'balance' (ByteScale Alg. 2, ranks get different numbers
+    of micro-batches so they finish together), 'naive' (Alg. 1, data-aware sharding only),
+    'static' (Megatron-style DP x CP packing, one ring over a fixed CP group), 'pow2' (ring
+    sizes rounded to powers of two, like Megatron's hybrid context parallel)."""
+
+    offload: bool = False
+    """Selective activation offload (paper Eq. 3): plan long sequences on fewer ranks, each
+    holding more than C tokens and offloading part of its activations. Off by default: the
+    training path does not run an offload context yet, so such micro-batches would keep all
+    their activations on the device."""
+
+    plan_mode: PlanMode = "every_rank"
+    """Where the plan is computed: 'every_rank' plans deterministically on every rank (no
+    communication), 'rank0_broadcast' plans on rank 0 and broadcasts the plan. Either way the
+    ranks compare plan hashes before training on a plan."""
+
+    align: int = 1
+    """Zigzag alignment: every one of the 2N parts of a sequence split over an N-rank ring is
+    padded to a multiple of this many tokens (some attention kernels want tiles)."""
+
+    context_length: Optional[int] = None
+    """Longest sequence the job accepts, in tokens; also sizes the static baseline's CP group
+    (ceil(context_length / capacity) ranks). Defaults to --seq-length."""
+
+    overlong: OverlongPolicy = "error"
+    """What the planner does with a sequence longer than the longest it can place (the context
+    length, or what all HDP ranks can hold): 'error' stops naming the sequence, 'drop' leaves
+    it out of the step, 'truncate' keeps its first tokens."""
+
+    attention_backend: AttentionBackend = "auto"
+    """Kernel under the dynamic-ring attention: 'torch' (PyTorch's fused kernels, runs on CPU),
+    'math' (tiled fp32 matmuls, any device), 'flash_attn' (GPU, needs flash-attn), 'te'
+    (GPU, needs Transformer Engine), 'auto' (flash_attn or te on CUDA with fp16/bf16 when
+    installed, otherwise torch)."""
+
+    check_plan_hash: bool = True
+    """All-gather the plan's content hash every step and stop with an error naming the ranks if
+    they disagree (costs one tiny collective per step)."""
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(
+                f"{flag_name('capacity')} ({self.capacity}) must be a positive number of tokens"
+            )
+        if self.align < 1:
+            raise ValueError(f"{flag_name('align')} ({self.align}) must be >= 1")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(
+                f"{flag_name('context_length')} ({self.context_length}) must be a positive number "
+                "of tokens"
+            )
+        for name in ("scheduler", "plan_mode", "attention_backend", "overlong"):
+            value = getattr(self, name)
+            choices = _choices(_field_types()[name])
+            if value not in choices:
+                raise ValueError(
+                    f"{flag_name(name)} ({value!r}) must be one of {', '.join(choices)}"
+                )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ByteScaleConfig":
+        """Build the config from a namespace parsed with :func:`add_bytescale_args`.
+
+        Fills ``capacity`` and ``context_length`` from Megatron's ``--seq-length`` (and
+        ``--context-parallel-size``) when they were not given, and checks that the capacity can
+        hold one zigzag part. Raises ``ValueError`` naming the flag and value on bad input.
+        """
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            dest = dest_name(f.name)
+            if hasattr(args, dest):
+                values[f.name] = getattr(args, dest)
+        seq_length = getattr(args, "seq_length", None)
+        cp_size = int(getattr(args, "context_parallel_size", 1) or 1)
+        if values.get("capacity") is None and seq_length:
+            values["capacity"] = max(1, int(seq_length) // cp_size)
+        if values.get("context_length") is None and seq_length:
+            values["context_length"] = int(seq_length)
+        config = cls(**values)
+        config.check_capacity()
+        return config
+
+    def check_capacity(self) -> None:
+        """Raise ``ValueError`` if the capacity cannot serve the context length or alignment."""
+        if self.capacity is None:
+            return
+        if self.capacity < self.align:
+            raise ValueError(
+                f"{flag_name('capacity')} ({self.capacity}) is smaller than "
+                f"{flag_name('align')} ({self.align}): no zigzag part would fit"
+            )
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"{flag_name('context_length')} must be positive")
+
+    @property
+    def ring_attention_backend(self) -> Optional[str]:
+        """The backend name for ``runtime.ring_attention`` (None lets the runtime choose)."""
+        return None if self.attention_backend == "auto" else self.attention_backend
+
+    def require_capacity(self) -> int:
+        """The capacity, or a ``ValueError`` telling the user which flag to set."""
+        if self.capacity is None:
+            raise ValueError(
+                f"{flag_name('capacity')} is not set and there is no --seq-length to derive it "
+                "from; pass the per-rank token capacity"
+            )
+        return self.capacity
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def flag_name(field_name: str) -> str:
+    """``capacity`` -> ``--bytescale-capacity``."""
+    return f"--{FLAG_PREFIX}-{field_name.replace('_', '-')}"
+
+
+def dest_name(field_name: str) -> str:
+    """``capacity`` -> ``bytescale_capacity`` (the attribute on Megatron's ``args``)."""
+    return f"{FLAG_PREFIX}_{field_name}"
+
+
+def add_bytescale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--bytescale-*`` group to ``parser``; usable as ``extra_args_provider``."""
+    group = parser.add_argument_group(
+        title="ByteScale", description="Hybrid Data Parallelism (megatron_bytescale plugin)"
+    )
+    docs = field_docstrings()
+    types = _field_types()
+    for f in dataclasses.fields(ByteScaleConfig):
+        help_text = docs.get(f.name, "")
+        annotation = types[f.name]
+        dest = dest_name(f.name)
+        if annotation is bool:
+            pair = group.add_mutually_exclusive_group()
+            pair.add_argument(
+                flag_name(f.name),
+                dest=dest,
+                action="store_true",
+                default=f.default,
+                help=f"{help_text} (default: {'on' if f.default else 'off'})",
+            )
+            pair.add_argument(
+                f"--no-{FLAG_PREFIX}-{f.name.replace('_', '-')}",
+                dest=dest,
+                action="store_false",
+                default=f.default,
+                help=f"Turn off {flag_name(f.name)}.",
+            )
+            continue
+        choices = _choices(annotation)
+        kind = _scalar_type(annotation)
+        group.add_argument(
+            flag_name(f.name),
+            dest=dest,
+            type=kind,
+            default=f.default,
+            choices=list(choices) if choices else None,
+            metavar=None if choices else kind.__name__.upper(),
+            help=f"{help_text} (default: {f.default})",
+        )
+    return parser
+
+
+@lru_cache(maxsize=1)
+def field_docstrings() -> dict[str, str]:
+    """The docstring under every field of :class:`ByteScaleConfig`, one line each.
+
+    Python keeps no attribute docstrings at run time, so they are read from the class source
+    (as Megatron's ``ArgumentGroupFactory`` does).
+    """
+    source = textwrap.dedent(inspect.getsource(ByteScaleConfig))
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@lru_cache(maxsize=1)
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(ByteScaleConfig)
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    if typing.get_origin(annotation) is Literal:
+        return tuple(typing.get_args(annotation))
+    return ()
+
+
+def _scalar_type(annotation: Any) -> type:
+    if typing.get_origin(annotation) is Literal:
+        return type(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is typing.Union:  # Optional[X]
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner[0]
+    return annotation

@@ -1,0 +1,151 @@
+"""``ByteScaleCoreAttention``: Megatron's core-attention slot filled with dynamic-ring attention.
+
+Shape legend (Megatron's): s = tokens in this rank's buffer, b = batch (always 1 under HDP),
+np = query heads per TP partition, ng = key/value groups per partition, hn = head dim,
+hp = np * hn. In the runtime's THD terms: T = s, Nq = np, Nkv = ng, H = hn.
+
+Megatron's ``SelfAttention`` computes q, k, v, applies RoPE, and calls its ``core_attention``
+submodule as ``core_attention(query, key, value, attention_mask, attn_mask_type=...,
+attention_bias=..., packed_seq_params=...)`` with ``[s, b, np, hn]`` tensors and expects
+``[s, b, hp]`` back. This module keeps that contract. Under HDP a rank's buffer is one packed
+row (b = 1) holding whole short sequences and/or zigzag shares of long ones; where each
+sequence starts and which ring the micro-batch runs on are not in the tensors, so they come
+from the micro-batch bound to the :class:`~.groups.HDPGroupManager` (Megatron's THD
+``PackedSeqParams`` cannot carry them, and the local spec rejects it anyway). The work is done
+by the runtime's ``ring_attention``: exact causal attention of every original sequence, with
+GQA, across the ring, differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .groups import get_hdp_manager
+
+
+class ByteScaleCoreAttention(MegatronModule):
+    """Drop-in for Megatron's ``DotProductAttention`` running the current micro-batch's ring.
+
+    Constructor and forward take the same arguments as ``DotProductAttention`` (megatron-core
+    0.16.1). Configurations the ring kernel does not implement are refused at construction:
+    non-causal masks, attention dropout, sliding windows, non-vanilla softmax, Megatron CP.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        num_splits: Optional[int] = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        _refuse_unsupported(config, attn_mask_type, attention_dropout, self.layer_number)
+        for name, value in (("k_channels", k_channels), ("v_channels", v_channels)):
+            if value is not None and value != config.kv_channels:
+                raise ValueError(
+                    f"{name} ({value}) differs from kv_channels ({config.kv_channels}); "
+                    "ByteScaleCoreAttention needs one head dim for q, k and v"
+                )
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        if config.num_attention_heads % tp_size or config.num_query_groups % tp_size:
+            raise ValueError(
+                f"attention heads ({config.num_attention_heads}) and query groups "
+                f"({config.num_query_groups}) must divide by the TP size ({tp_size})"
+            )
+        self.heads_per_partition = config.num_attention_heads // tp_size
+        self.head_dim = config.kv_channels
+        self.hidden_per_partition = self.heads_per_partition * self.head_dim
+        # Megatron's query-key layer scaling divides the scale by the layer number and
+        # multiplies the fp32 scores back; the net softmax input is unchanged, so ignore it.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[Any] = None,
+    ) -> torch.Tensor:
+        """[s, 1, np, hn] q and [s, 1, ng, hn] k/v in, [s, 1, hp] out."""
+        if packed_seq_params is not None:
+            raise ValueError(
+                "ByteScaleCoreAttention takes no PackedSeqParams: the micro-batch layout comes "
+                "from the HDP group manager; do not pass packed_seq_params to the model"
+            )
+        if attention_bias is not None:
+            raise ValueError("ByteScaleCoreAttention does not support an attention bias")
+        if query.dim() != 4 or query.size(1) != 1:
+            raise ValueError(
+                f"ByteScaleCoreAttention expects [s, 1, heads, head_dim] inputs (one packed row "
+                f"per micro-batch), got query of shape {tuple(query.shape)}"
+            )
+        from megatron_bytescale.runtime import ring_attention
+
+        manager = get_hdp_manager()
+        micro_batch = manager.current
+        q_TNH = query[:, 0].contiguous()
+        k_TNH = key[:, 0].contiguous()
+        v_TNH = value[:, 0].contiguous()
+        out_TNH = ring_attention(
+            q_TNH,
+            k_TNH,
+            v_TNH,
+            micro_batch.layout,
+            manager.hdp,
+            softmax_scale=self.softmax_scale,
+            backend=manager.attention_backend,
+            counters=manager.counters,
+        )
+        return out_TNH.reshape(out_TNH.size(0), 1, -1)
+
+
+def _refuse_unsupported(
+    config: TransformerConfig,
+    attn_mask_type: AttnMaskType,
+    attention_dropout: Optional[float],
+    layer_number: int,
+) -> None:
+    if config.context_parallel_size != 1:
+        raise ValueError(
+            f"context_parallel_size is {config.context_parallel_size}; HDP runs Megatron with "
+            "CP = 1 and forms its own rings"
+        )
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(
+            f"ByteScaleCoreAttention implements causal attention only, got {attn_mask_type}"
+        )
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is not supported by the ring attention; set "
+            "--attention-dropout 0"
+        )
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        raise ValueError(f"sliding-window attention (window_size={window}) is not supported")
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise ValueError(f"softmax_type {softmax_type!r} is not supported (only 'vanilla')")

@@ -1,0 +1,68 @@
+"""Document lengths of a Megatron indexed dataset, read from its ``.idx`` only (no token reads).
+
+A Megatron ``.bin``/``.idx`` pair stores *sequences* and groups them into *documents*
+(``document_indices`` marks where each document's sequences end). The planner plans documents,
+so a document's length is the sum of its sequences' lengths. Only the index file is opened
+(memory-mapped by megatron-core's index reader); the ``.bin`` need not even be present.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def index_path(path: str | Path) -> Path:
+    """``prefix``, ``prefix.idx`` or ``prefix.bin`` -> ``prefix.idx``."""
+    p = Path(path)
+    if p.suffix == ".idx":
+        return p
+    if p.suffix == ".bin":
+        return p.with_suffix(".idx")
+    return p.with_name(p.name + ".idx")
+
+
+def read_indexed_lengths(path: str | Path, *, multimodal: bool = False) -> np.ndarray:
+    """Lengths (int64) of every non-empty document of the indexed dataset at ``path``.
+
+    Args:
+        path: the dataset prefix, or its ``.idx`` / ``.bin`` file.
+        multimodal: whether the index was written with modes (multimodal datasets).
+
+    Raises:
+        ValueError: the index is missing or is not a Megatron index file (the message names it).
+        ImportError: megatron-core is not installed.
+    """
+    idx = index_path(path)
+    if not idx.is_file():
+        raise ValueError(f"Megatron index file {str(idx)!r} does not exist")
+    try:
+        from megatron.core.datasets.indexed_dataset import _IndexReader
+    except ImportError as exc:  # pragma: no cover - megatron-core is a dependency
+        raise ImportError(
+            "reading .idx lengths needs megatron-core; pip install 'megatron-core>=0.16.1'"
+        ) from exc
+    try:
+        reader = _IndexReader(str(idx), multimodal)
+    except (AssertionError, ValueError, OSError, KeyError) as exc:
+        raise ValueError(f"{str(idx)!r} is not a readable Megatron index file: {exc}") from exc
+    try:
+        # copies: the reader unmaps the file when it goes away, and views would then dangle
+        seq = np.array(reader.sequence_lengths, dtype=np.int64, copy=True)
+        bounds = np.array(reader.document_indices, dtype=np.int64, copy=True)
+    finally:
+        del reader
+    if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != len(seq) or np.any(np.diff(bounds) < 0):
+        raise ValueError(f"{str(idx)!r}: document indices do not partition its {len(seq)} sequences")
+    if len(seq) == 0:
+        return np.zeros(0, dtype=np.int64)
+    csum = np.concatenate([[0], np.cumsum(seq)])
+    docs = csum[bounds[1:]] - csum[bounds[:-1]]
+    empty = int(np.sum(docs <= 0))
+    if empty:
+        logger.info("%s: skipped %d empty document(s)", idx, empty)
+    return docs[docs > 0]

@@ -1,0 +1,312 @@
+"""The HDP schedule driver for pipeline-parallel size 1.
+
+Megatron's ``forward_backward_no_pipelining`` assumes every data-parallel rank runs at least
+one micro-batch (it always runs "the last one" outside ``no_sync``). Under the balance
+scheduler a rank may run any number of micro-batches in a step, zero included, so this driver
+runs the loop itself on megatron-core's own building blocks:
+
+* every micro-batch goes through ``schedules.forward_step`` / ``schedules.backward_step`` with
+  the micro-batch bound to the HDP group manager (its ring and layout), in plan order;
+* all but the last run under DDP's ``no_sync``; the last one's backward queues the gradient
+  reduction. A rank with no micro-batch skips straight to the reduction and contributes zero
+  gradients and zero tokens: it still joins every collective, so nobody waits forever;
+* there are no barriers: ranks meet only where the plan makes them meet (ring P2P, in the
+  deadlock-free plan order) and in the gradient reduction at the end;
+* token-level loss (D6): the loss function returns the *sum* of per-token losses and the
+  number of loss tokens, ``calculate_per_token_loss=True`` stops Megatron from dividing by the
+  micro-batch count, and ``finalize_model_grads`` all-reduces the token count over the HDP
+  group and scales the reduced gradients by 1 / (loss tokens of the whole global batch);
+* then the optimizer steps (Megatron's distributed optimizer, ZeRO-1 over the HDP group, on
+  GPUs; plain Megatron DDP + Adam on CPU, see :mod:`.training`).
+
+Busy time is measured with ``time.process_time()`` (CPU time of this process): on the CPU
+demo several ranks share a core, so wall time would hide the imbalance between ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+
+from .compat import megatron_backward_step, megatron_forward_step
+from .groups import HDPGroupManager
+
+if TYPE_CHECKING:
+    from megatron_bytescale.data.hdp_iterator import HDPStep
+    from megatron_bytescale.runtime import CommCounters, MicroBatchTensors
+
+logger = logging.getLogger(__name__)
+
+ForwardStepFunc = Callable[[Iterator[Any], torch.nn.Module], tuple[torch.Tensor, Callable]]
+
+
+# ----------------------------------------------------------------------------- forward step
+
+
+def token_level_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of masked per-token losses and the number of loss tokens (Megatron's 3-tuple form).
+
+    Never averaged here: Megatron divides the reduced gradients by the global token count.
+    """
+    losses = output_tensor.reshape(-1).float()
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def hdp_forward_step(data_iterator: Iterator["MicroBatchTensors"], model: torch.nn.Module):
+    """Megatron-style ``forward_step_func`` for one HDP micro-batch (a packed row, b = 1).
+
+    Feeds the model the micro-batch's tokens, original-sequence ``position_ids`` (RoPE) and
+    next-token labels; no attention mask (the ring attention builds causal masks per sequence).
+    """
+    micro_batch = next(data_iterator)
+    tokens = micro_batch.tokens.reshape(1, -1)
+    position_ids = micro_batch.position_ids.reshape(1, -1)
+    labels = micro_batch.labels.reshape(1, -1)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(token_level_loss, micro_batch.loss_mask)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchRecord:
+    """What one micro-batch cost this rank."""
+
+    order: int
+    ring_size: int
+    tokens: int
+    loss_tokens: int
+    p2p_bytes: int
+    busy_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One training step on this rank.
+
+    ``busy_s`` is the CPU time of the micro-batch phase; ``reduce_wall_s`` the wall time spent
+    in the gradient reduction (where a fast rank waits for the slowest); the ``*_at`` fields
+    are ``time.time()`` stamps for cross-rank timelines.
+    """
+
+    step: int
+    hdp_rank: int
+    loss_sum: float
+    loss_tokens: int
+    global_loss_tokens: int
+    micro_batches: tuple[MicroBatchRecord, ...]
+    busy_s: float
+    reduce_wall_s: float
+    optimizer_wall_s: float
+    started_at: float
+    micro_batches_done_at: float
+    reduced_at: float
+    finished_at: float
+    update_successful: bool
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.micro_batches)
+
+    @property
+    def p2p_bytes(self) -> int:
+        return sum(r.p2p_bytes for r in self.micro_batches)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_hdp_step(
+    step: "HDPStep",
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    manager: HDPGroupManager,
+    forward_step_func: ForwardStepFunc = hdp_forward_step,
+    counters: Optional["CommCounters"] = None,
+) -> StepRecord:
+    """Train one planned step on this rank: micro-batches, gradient reduction, optimizer step.
+
+    Args:
+        step: this rank's view of the step (from ``HDPDataIterator``).
+        model: the Megatron ``DistributedDataParallel``-wrapped model; its config must have
+            ``calculate_per_token_loss=True`` and ``finalize_model_grads_func`` set.
+        optimizer: a Megatron optimizer (``get_megatron_optimizer``).
+        manager: the HDP group manager the core attention reads.
+        forward_step_func: Megatron-style ``(data_iterator, model) -> (output, loss_func)``
+            whose loss function returns ``(loss_sum, num_tokens, report)``.
+        counters: the runtime's ``CommCounters`` to charge ring traffic to (a fresh one by
+            default); the step is closed on it (``end_step``) before returning.
+    """
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    check_model_config(config)
+    _refuse_overlapped_reduction(model)
+    if counters is None:
+        from megatron_bytescale.runtime import CommCounters
+
+        counters = CommCounters()
+
+    _warn_about_offload(step)
+    started_at = time.time()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    records, local_tokens, forward_data_store = _run_micro_batches(
+        step, model=model, config=config, manager=manager,
+        forward_step_func=forward_step_func, counters=counters,
+    )  # fmt: skip
+    busy_s = sum(r.busy_s for r in records)
+    micro_batches_done_at = time.time()
+    counters.end_step()
+
+    total_tokens = local_tokens.to(_grad_device(model))
+    reduce0 = time.perf_counter()
+    config.finalize_model_grads_func([model], total_tokens)
+    reduce_wall_s = time.perf_counter() - reduce0
+    reduced_at = time.time()
+    if int(total_tokens) != step.global_loss_tokens:
+        raise RuntimeError(
+            f"step {step.index}: the HDP ranks trained {int(total_tokens)} loss tokens, the "
+            f"global batch has {step.global_loss_tokens}; the plan or the micro-batch builder "
+            "lost or duplicated tokens"
+        )
+
+    opt0 = time.perf_counter()
+    update_successful, _grad_norm, _zeros = optimizer.step()
+    optimizer_wall_s = time.perf_counter() - opt0
+
+    loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
+    return StepRecord(
+        step=step.index,
+        hdp_rank=step.hdp_rank,
+        loss_sum=loss_sum,
+        loss_tokens=sum(r.loss_tokens for r in records),
+        global_loss_tokens=step.global_loss_tokens,
+        micro_batches=tuple(records),
+        busy_s=busy_s,
+        reduce_wall_s=reduce_wall_s,
+        optimizer_wall_s=optimizer_wall_s,
+        started_at=started_at,
+        micro_batches_done_at=micro_batches_done_at,
+        reduced_at=reduced_at,
+        finished_at=time.time(),
+        update_successful=bool(update_successful),
+    )
+
+
+def _run_micro_batches(
+    step: "HDPStep",
+    *,
+    model: torch.nn.Module,
+    config: Any,
+    manager: HDPGroupManager,
+    forward_step_func: ForwardStepFunc,
+    counters: "CommCounters",
+) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
+    """This rank's micro-batches in plan order; gradient sync only after the last one."""
+    count = step.num_micro_batches
+    records: list[MicroBatchRecord] = []
+    forward_data_store: list = []
+    local_tokens = torch.zeros([], dtype=torch.int)
+    for index, (planned, tensors) in enumerate(zip(step.micro_batches, step.micro_batch_tensors())):
+        sync = contextlib.nullcontext() if index == count - 1 else config.no_sync_func()
+        traffic = counters.start_micro_batch(planned.order)
+        busy0, wall0 = time.process_time(), time.perf_counter()
+        with sync, manager.bind(tensors, counters):
+            output, num_tokens = megatron_forward_step(
+                forward_step_func,
+                iter([tensors]),
+                model,
+                num_microbatches=count,
+                forward_data_store=forward_data_store,
+                config=config,
+                is_first_microbatch=index == 0,
+                current_microbatch=index,
+            )
+            megatron_backward_step(output, model, config)
+        local_tokens += num_tokens.to(local_tokens.device)
+        records.append(
+            MicroBatchRecord(
+                order=planned.order,
+                ring_size=planned.ring_size,
+                tokens=planned.num_tokens,
+                loss_tokens=int(num_tokens),
+                p2p_bytes=int(traffic.bytes_sent),
+                busy_s=time.process_time() - busy0,
+                wall_s=time.perf_counter() - wall0,
+            )
+        )
+    return records, local_tokens, forward_data_store
+
+
+def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
+    ddp_config = getattr(model, "ddp_config", None)
+    if ddp_config is not None and ddp_config.overlap_grad_reduce:
+        raise ValueError(
+            "overlap_grad_reduce=True is not supported with HDP yet: a rank that runs no "
+            "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
+            "expects it to; use overlap_grad_reduce=False"
+        )
+
+
+_OFFLOAD_WARNED = False
+
+
+def _warn_about_offload(step: "HDPStep") -> None:
+    """Plans may ask for activation offload; the training path does not run it yet (say so once)."""
+    global _OFFLOAD_WARNED
+    if _OFFLOAD_WARNED:
+        return
+    offloaded = [mb.order for mb in step.micro_batches if mb.offload_ratio > 0]
+    if offloaded:
+        _OFFLOAD_WARNED = True
+        logger.warning(
+            "step %d: micro-batches %s are planned with activation offload, but no offload "
+            "context runs yet; their activations stay resident (plan with offload=False to "
+            "respect the capacity)",
+            step.index,
+            offloaded[:5],
+        )
+
+
+def check_model_config(config: Any) -> None:
+    """Refuse model configs with which the HDP step would compute the wrong gradients."""
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "HDP needs calculate_per_token_loss=True (--calculate-per-token-loss): ranks train "
+            "different numbers of tokens and micro-batches, so the loss must be normalised by "
+            "the token count of the whole global batch"
+        )
+    if config.finalize_model_grads_func is None:
+        raise ValueError(
+            "config.finalize_model_grads_func is not set; set it to "
+            "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
+            "HDP group"
+        )
+    if config.no_sync_func is None:
+        raise ValueError("config.no_sync_func is not set; set it to the DDP model's no_sync")
+    if getattr(config, "pipeline_model_parallel_size", 1) != 1:
+        from .groups import PP_SCHEDULE_ISSUE
+
+        raise ValueError(f"pipeline_model_parallel_size > 1: {PP_SCHEDULE_ISSUE}")
+
+
+def _grad_device(model: torch.nn.Module) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")

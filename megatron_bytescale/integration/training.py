@@ -1,0 +1,158 @@
+"""Build a megatron-core GPT for HDP: config, model, DDP over the HDP group, optimizer.
+
+These helpers only set what HDP requires and leave everything else to the caller:
+
+* ``calculate_per_token_loss=True`` (token-level loss over the global batch, D6) and
+  ``DistributedDataParallelConfig(average_in_collective=False)`` (Megatron requires it with
+  per-token loss);
+* ``config.no_sync_func`` / ``config.finalize_model_grads_func`` so the schedule driver
+  defers gradient sync to the last micro-batch and reduces over the HDP group;
+* the optimizer: Megatron's **distributed optimizer** (ZeRO-1 sharded over the HDP group,
+  paper §5.1) when CUDA is available; on a CPU-only machine plain Megatron DDP + Adam with
+  ``clip_grad=0``, because the distributed optimizer rejects CPU tensors ("Wrapped parameters
+  must be one of torch.cuda.FloatTensor ...") and gradient clipping asserts CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .layer_spec import get_bytescale_layer_spec
+from .model import ByteScaleGPTModel
+
+logger = logging.getLogger(__name__)
+
+
+def make_transformer_config(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: Optional[int] = None,
+    ffn_hidden_size: Optional[int] = None,
+    **overrides: Any,
+) -> TransformerConfig:
+    """A ``TransformerConfig`` with the settings HDP needs (per-token loss, no attention dropout).
+
+    On a machine without CUDA the model is initialised on the CPU
+    (``use_cpu_initialization=True``; megatron's GPU initialisation asserts CUDA).
+    """
+    settings: dict[str, Any] = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        ffn_hidden_size=ffn_hidden_size,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        pipeline_dtype=torch.float32,
+    )
+    settings.update(overrides)
+    if not settings["calculate_per_token_loss"]:
+        raise ValueError("HDP needs calculate_per_token_loss=True")
+    return TransformerConfig(**settings)
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    use_transformer_engine: Optional[bool] = None,
+    position_embedding_type: str = "rope",
+    **model_kwargs: Any,
+) -> ByteScaleGPTModel:
+    """A :class:`ByteScaleGPTModel` on the ByteScale layer spec (PP = 1: pre and post process)."""
+    spec = get_bytescale_layer_spec(use_transformer_engine=use_transformer_engine)
+    model = ByteScaleGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=True,
+        post_process=True,
+        position_embedding_type=position_embedding_type,
+        **model_kwargs,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def wrap_for_hdp(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    adam_beta2: float = 0.95,
+    distributed_optimizer: Optional[bool] = None,
+    overlap_grad_reduce: bool = False,
+    clip_grad: Optional[float] = None,
+    bucket_size: Optional[int] = None,
+) -> tuple[DistributedDataParallel, Any]:
+    """Wrap ``model`` in Megatron DDP over the HDP group and build the optimizer.
+
+    Args:
+        distributed_optimizer: ZeRO-1 over the HDP group; default on with CUDA, and refused
+            without it (see the module docstring).
+        clip_grad: gradient-norm clipping; default 1.0 with CUDA, 0 (off) on CPU where
+            Megatron's clipping asserts CUDA tensors.
+    """
+    config = model.config
+    on_cuda = torch.cuda.is_available()
+    if distributed_optimizer is None:
+        distributed_optimizer = on_cuda
+    if distributed_optimizer and not on_cuda:
+        raise ValueError(
+            "the distributed optimizer (ZeRO-1 over the HDP group) needs CUDA: megatron-core "
+            "rejects CPU parameters; use distributed_optimizer=False on CPU"
+        )
+    if overlap_grad_reduce:
+        raise ValueError(
+            "overlap_grad_reduce=True is not supported with HDP yet (ranks may run zero "
+            "micro-batches, and Megatron's overlapped reduction is driven by backward hooks); "
+            "use overlap_grad_reduce=False"
+        )
+    if clip_grad is None:
+        clip_grad = 1.0 if on_cuda else 0.0
+    if clip_grad and not on_cuda:
+        raise ValueError("gradient clipping needs CUDA in megatron-core; use clip_grad=0 on CPU")
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=distributed_optimizer,
+        average_in_collective=False,
+        bucket_size=bucket_size,
+    )
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta2=adam_beta2,
+        clip_grad=clip_grad,
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    logger.info(
+        "HDP training: DDP over the HDP group, %s optimizer",
+        "distributed (ZeRO-1)" if distributed_optimizer else "replicated",
+    )
+    return ddp_model, optimizer

@@ -1,0 +1,390 @@
+"""The profiler's cost model (paper §4 "Profiler", Eq. 3's coefficients) and the ring cost.
+
+Everything the planner decides comes down to two per-layer functions of a sequence length s,
+both for **one layer on one HDP rank** (one TP group, so the TP split is already applied):
+
+    T(s)   = alpha1 * s**2 + beta1 * s + gamma      seconds, forward + backward
+    Act(s) = alpha2 * s + beta2                     bytes of activations kept for backward
+
+plus the transfer rates that Eq. 3 and the rings need: host<->device bandwidth (D2H, H2D),
+ring P2P bandwidth (intra-node, inter-node) and latency, and the K+V bytes per token per layer
+per TP rank that a ring rotates (GQA-aware).
+
+A :class:`CostModel` is built three ways:
+
+* analytically from a model and a GPU/network description (:meth:`CostModel.from_specs`; the
+  specs, the FLOP and activation counts and the named presets live in :mod:`.presets`);
+* by least squares from measured samples (:meth:`CostModel.fit`);
+* from JSON written by :meth:`CostModel.save` (round trip: ``load(save(m)) == m``).
+
+Ring micro-batch cost (:meth:`CostModel.micro_batch_time`). A micro-batch carries sequences of
+real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each sequence is padded to
+``P_j = 2 * D * zigzag_chunk(s_j, D, align)`` (``P_j = s_j`` when D = 1) and every member holds
+``P_j / D`` of it. Per layer and per member:
+
+    linear  = beta1 * sum(P_j) / D + gamma
+    A       = alpha1 * sum(P_j**2) / D                    (causal attention, balanced by zigzag)
+    c_f     = A * phi_attn / D,  c_b = A * (1 - phi_attn) / D     (compute of one ring step)
+    m_f     = latency + kv * sum(P_j) / D / bandwidth             (one KV block)
+    m_b     = latency + (kv + dkv) * sum(P_j) / D / bandwidth     (KV + dKV blocks)
+    ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
+    time    = layers * (linear + ring + exposed_offload)
+
+i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
+costs time only where it exceeds the compute it hides behind. With D = 1 this is exactly
+``layers * T(s)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
+intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
+its slowest hop).
+
+Offload (Eq. 3): moving ``r * Act`` bytes of one layer over PCIe is hidden behind that layer's
+compute when ``T >= Act * r / min(B_d2h, B_h2d)``, which is exactly the overlap constraint Eq. 3
+imposes; the solver in :mod:`.offload` only picks ratios that satisfy it, so offload is free
+in the estimate. If a ratio above that bound is forced (an otherwise overlong sequence), the
+excess ``r * Act / B - layer time`` is charged as exposed time.
+
+P2P bytes of a ring micro-batch (:meth:`CostModel.ring_p2p_bytes`), summed over all members,
+for ``layers`` layers of one TP rank:
+
+    bytes = layers * (D - 1) * (2 * kv + dkv) * sum_j P_j
+
+with ``kv = kv_bytes_per_token`` and ``dkv = dkv_bytes_per_token`` (forward: D - 1 KV rotations
+of each member's block ``kv * sum(P_j) / D`` by D members; backward: D - 1 rotations of KV and
+D - 1 hops of the travelling dK/dV accumulator, which ring attention keeps in fp32, so dkv is
+twice kv for bf16 K/V). Per member it is that divided by D. A ring of size 1 sends nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+COST_MODEL_VERSION = 1
+
+# --------------------------------------------------------------------------- model
+_FLOAT_FIELDS = (
+    "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
+    "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
+    "attention_forward_fraction", "forward_fraction",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Per-layer time and memory of one HDP rank, and the links between ranks.
+
+    All times are seconds, all sizes bytes, all bandwidths bytes/s, all per layer unless the
+    name says otherwise.
+    """
+
+    name: str = "custom"
+    num_layers: int
+    """Transformer layers of the whole model; l in Eq. 3 is num_layers / pp_size."""
+    alpha1: float
+    """T(s) quadratic coefficient: causal attention, s/token^2."""
+    beta1: float
+    """T(s) linear coefficient: GEMMs and the amortised LM head, s/token."""
+    gamma: float
+    """T(s) constant: fixed cost per layer per micro-batch, s."""
+    alpha2: float
+    """Act(s) slope: bytes per token per layer."""
+    beta2: float = 0.0
+    """Act(s) constant: bytes per layer."""
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    kv_bytes_per_token: float
+    """K + V bytes per token per layer that one TP rank sends in a ring step (GQA-aware)."""
+    dkv_bytes_per_token: float | None = None
+    """dK + dV bytes per token per layer in the backward ring (None: same as K + V)."""
+    p2p_bandwidth_intra: float
+    p2p_bandwidth_inter: float
+    p2p_latency_s: float = 0.0
+    ranks_per_node: int = 1
+    """HDP ranks that share a node (gpus_per_node // TP); a ring inside one node uses NVLink."""
+    attention_forward_fraction: float = 2.0 / 7.0
+    """Share of the attention time spent in forward (2/7 for FlashAttention-2: 2 of 7 s^2 GEMMs)."""
+    forward_fraction: float = 1.0 / 3.0
+    """Share of a micro-batch's time spent in forward (1/3 for GEMMs); used by the 1F1B model."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"cost model {self.name!r}: num_layers ({self.num_layers!r}) must be an integer >= 1")
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"cost model {self.name!r}: ranks_per_node ({self.ranks_per_node!r}) must be an integer >= 1")
+        if self.dkv_bytes_per_token is not None and not (
+            isinstance(self.dkv_bytes_per_token, (int, float)) and self.dkv_bytes_per_token >= 0
+        ):
+            raise ValueError(f"cost model {self.name!r}: dkv_bytes_per_token ({self.dkv_bytes_per_token!r}) must be >= 0 or None")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be a finite number >= 0")
+        for name in ("d2h_bandwidth", "h2d_bandwidth", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "alpha2"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be > 0")
+        for name in ("attention_forward_fraction", "forward_fraction"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be in (0, 1)")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_specs(cls, model: Any, hardware: Any, *, name: str | None = None) -> "CostModel":
+        """The analytic cost model of a :class:`~.presets.ModelSpec` on a :class:`~.presets.HardwareSpec`
+        (see :func:`.presets.analytic_cost_model` for the derivation)."""
+        from .presets import analytic_cost_model
+
+        return analytic_cost_model(model, hardware, name=name)
+
+    @classmethod
+    def fit(
+        cls,
+        time_samples: Iterable[Sequence[float]],
+        activation_samples: Iterable[Sequence[float]],
+        *,
+        base: "CostModel | None" = None,
+        name: str = "fitted",
+        **fields_: Any,
+    ) -> "CostModel":
+        """Least-squares fit of T(s) and Act(s) from measured ``(s, seconds)`` and ``(s, bytes)``.
+
+        The coefficients are constrained to be >= 0 (a negative alpha1 from noise would make
+        long sequences look free); the fit tries every subset of active coefficients and keeps the
+        non-negative one with the smallest residual. Every other field comes from ``base`` and
+        then from ``fields_`` (``num_layers``, bandwidths, ...).
+
+        Raises:
+            ValueError: fewer samples (or distinct lengths) than unknowns: 3 for T, 2 for Act.
+        """
+        t = _samples_array(time_samples, "time_samples")
+        a = _samples_array(activation_samples, "activation_samples")
+        for arr, what, unknowns in ((t, "time_samples (s, seconds)", 3), (a, "activation_samples (s, bytes)", 2)):
+            distinct = len(np.unique(arr[:, 0])) if len(arr) else 0
+            if distinct < unknowns:
+                raise ValueError(
+                    f"CostModel.fit needs at least {unknowns} {what} at distinct lengths to fit "
+                    f"{unknowns} unknowns, got {len(arr)} samples at {distinct} distinct lengths; "
+                    f"measure more sequence lengths"
+                )
+        s = t[:, 0]
+        alpha1, beta1, gamma = _nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], axis=1), t[:, 1])
+        s = a[:, 0]
+        alpha2, beta2 = _nonnegative_lstsq(np.stack([s, np.ones_like(s)], axis=1), a[:, 1])
+        params: dict[str, Any] = {}
+        if base is not None:
+            params.update({f.name: getattr(base, f.name) for f in fields(base)})
+        params.update(fields_)
+        params.update(name=name, alpha1=alpha1, beta1=beta1, gamma=gamma, alpha2=alpha2, beta2=beta2)
+        params.setdefault("source", f"least-squares fit of {len(t)} time and {len(a)} activation samples")
+        missing = [f.name for f in fields(cls) if f.name not in params and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"CostModel.fit: pass base= or the fields {missing}")
+        return cls(**params)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": COST_MODEL_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"cost model JSON must be an object, got {type(data).__name__}")
+        version = data.get("version", COST_MODEL_VERSION)
+        if version != COST_MODEL_VERSION:
+            raise ValueError(f"cost model version {version!r} is not supported (expected {COST_MODEL_VERSION})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"version"})
+        if unknown:
+            raise ValueError(f"cost model JSON has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k != "version"})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read cost model file {str(p)!r}: {exc.strerror or exc}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ per layer
+    def layer_time(self, s: Any) -> Any:
+        """T(s): seconds of one layer, forward + backward, of a sequence of s tokens on one rank."""
+        s = np.asarray(s, dtype=np.float64)
+        out = self.alpha1 * s * s + self.beta1 * s + self.gamma
+        return float(out) if out.ndim == 0 else out
+
+    def activation_bytes(self, s: Any) -> Any:
+        """Act(s): bytes one layer keeps for backward for s tokens on one rank."""
+        s = np.asarray(s, dtype=np.float64)
+        out = self.alpha2 * s + self.beta2
+        return float(out) if out.ndim == 0 else out
+
+    @property
+    def offload_bandwidth(self) -> float:
+        """min(B_d2h, B_h2d) of Eq. 3's overlap constraint."""
+        return min(self.d2h_bandwidth, self.h2d_bandwidth)
+
+    def layers_per_stage(self, pp_size: int) -> int:
+        """l of Eq. 3: layers on one PP stage; PP must divide the layer count."""
+        if not isinstance(pp_size, int) or pp_size < 1:
+            raise ValueError(f"pp_size ({pp_size!r}) must be an integer >= 1")
+        if self.num_layers % pp_size:
+            raise ValueError(
+                f"pp_size ({pp_size}) must divide the model's {self.num_layers} layers "
+                f"(cost model {self.name!r}); choose a divisor of {self.num_layers}"
+            )
+        return self.num_layers // pp_size
+
+    # ------------------------------------------------------------------ micro-batches
+    def padded_lengths(self, lengths: Any, ring_size: int, align: int = 1) -> np.ndarray:
+        """``P_j``: the padded length of each sequence on a ring of ``ring_size`` (zigzag)."""
+        s = np.asarray(lengths, dtype=np.int64)
+        if ring_size == 1:
+            return s.copy()
+        parts = 2 * ring_size
+        chunk = -(-s // parts)
+        chunk = -(-chunk // align) * align
+        return chunk * parts
+
+    def ring_time_from_sums(
+        self,
+        sum_p: Any,
+        sum_p2: Any,
+        ring_size: Any,
+        *,
+        layers: int,
+        offload_ratio: Any = 0.0,
+        intra_node: Any = True,
+    ) -> Any:
+        """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
+
+        See the module docstring for the formula; ``ring_size`` 1 means a local micro-batch.
+        """
+        sp = np.asarray(sum_p, dtype=np.float64)
+        sp2 = np.asarray(sum_p2, dtype=np.float64)
+        d = np.asarray(ring_size, dtype=np.float64)
+        r = np.asarray(offload_ratio, dtype=np.float64)
+        bw = np.where(np.asarray(intra_node, dtype=bool), self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
+        share = sp / d
+        linear = self.beta1 * share + self.gamma
+        attn = self.alpha1 * sp2 / d
+        c_f = attn * self.attention_forward_fraction / d
+        c_b = attn / d - c_f
+        m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
+        m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
+        steps = d - 1.0
+        ring = c_f + c_b + steps * (np.maximum(c_f, m_f) + np.maximum(c_b, m_b))
+        layer = linear + ring
+        exposed = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
+        out = layers * (layer + exposed)
+        return float(out) if out.ndim == 0 else out
+
+    def micro_batch_time(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        ring_size: int,
+        *,
+        layers: int,
+        offload_ratio: float = 0.0,
+        align: int = 1,
+        intra_node: bool = True,
+    ) -> float:
+        """Seconds one member of a ring of ``ring_size`` spends on a micro-batch of ``lengths``.
+
+        ``layers`` is the number of layers the rank runs (all of them without PP, one stage's
+        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network.
+        """
+        p = self.padded_lengths(lengths, ring_size, align).astype(np.float64)
+        return float(
+            self.ring_time_from_sums(
+                p.sum(), (p * p).sum(), ring_size, layers=layers,
+                offload_ratio=offload_ratio, intra_node=intra_node,
+            )
+        )
+
+    def ring_p2p_bytes(
+        self, lengths: Sequence[int] | np.ndarray, ring_size: int, *, layers: int, align: int = 1
+    ) -> int:
+        """Bytes all members of a ring send for one micro-batch over ``layers`` layers (one TP rank).
+
+        ``layers * (D - 1) * (2 * kv + dkv) * sum_j P_j``; 0 for D = 1.
+        """
+        if ring_size <= 1:
+            return 0
+        total = int(self.padded_lengths(lengths, ring_size, align).sum())
+        return int(round(layers * (ring_size - 1) * self.ring_bytes_per_token * total))
+
+    @property
+    def dkv_bytes(self) -> float:
+        """dK + dV bytes per token per layer (``dkv_bytes_per_token`` or K + V's)."""
+        return self.kv_bytes_per_token if self.dkv_bytes_per_token is None else self.dkv_bytes_per_token
+
+    @property
+    def ring_bytes_per_token(self) -> float:
+        """Bytes a ring moves per padded token per layer per hop: K+V forward, K+V and dK+dV backward."""
+        return 2.0 * self.kv_bytes_per_token + self.dkv_bytes
+
+    def ring_is_intra_node(self, ring: Sequence[int]) -> bool:
+        """Whether every member of ``ring`` sits on one node (HDP rank // ranks_per_node)."""
+        if len(ring) <= 1:
+            return True
+        node = ring[0] // self.ranks_per_node
+        return all(r // self.ranks_per_node == node for r in ring)
+
+    def with_(self, **changes: Any) -> "CostModel":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def _samples_array(samples: Iterable[Sequence[float]], what: str) -> np.ndarray:
+    try:
+        arr = np.asarray([tuple(x) for x in samples], dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be pairs (length, value): {exc}") from exc
+    if arr.size == 0:
+        return np.zeros((0, 2))
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"{what} must be pairs (length, value), got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr[:, 0] <= 0):
+        raise ValueError(f"{what}: lengths must be > 0 and all values finite")
+    return arr
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0, by trying each subset of free coefficients.
+
+    Columns are scaled to unit norm first so that s^2 next to 1 stays well conditioned.
+    """
+    n = x.shape[1]
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 1 << n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(n)
+        full[cols] = coef
+        resid = float(np.sum((xs @ full - y) ** 2))
+        if best is None or resid < best[0] - 1e-15 * max(1.0, abs(best[0])):
+            best = (resid, full)
+    if best is None:
+        return [0.0] * n
+    return [float(c) for c in best[1] / scale]

@@ -1,0 +1,216 @@
+"""What a plan costs: event-driven timing of a :class:`StepPlan` under a :class:`CostModel`.
+
+Model (documented here because every scheduler comparison rests on it):
+
+* Each ring micro-batch takes :meth:`CostModel.micro_batch_time` on every member: its real
+  sequences padded per-document zigzag to the ring, ``layers_per_stage`` layers, its offload
+  ratio, the NVLink rate if all members share a node (HDP rank // ranks_per_node) else the
+  network rate.
+* **PP = 1**: micro-batches run in global order; a ring starts when all members are free and
+  keeps every member busy for its duration. Barriers in ``meta["barrier_after_orders"]`` make
+  every rank wait for the slowest before the next order starts.
+* **PP > 1**: every HDP rank is a pipeline running 1F1B over its own micro-batches, each stage
+  taking the micro-batch's stage time (forward ``forward_fraction`` of it, backward the rest),
+  with ring ops rendezvousing across pipelines (:func:`.order.simulate`). A rank's time is its
+  pipeline's makespan, bubbles included.
+* Not modelled: the gradient all-reduce at the end of the step (the same for every scheduler),
+  data loading, activation sends between PP stages, stragglers.
+
+``step_time_s`` is the largest rank time. The lower bound is the total busy rank-seconds over
+``hdp_size`` (perfect balance, no idling, no bubbles); the balance ratio is step time over it.
+P2P bytes are :meth:`CostModel.ring_p2p_bytes` summed over the plan for all layers of the model
+(every PP stage) and one TP rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cost_model import CostModel
+from .order import Simulation, simulate
+from .plan import Estimate, StepPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchCosts:
+    """Per distinct micro-batch (one entry per order number), in ascending order."""
+
+    orders: np.ndarray
+    ring_sizes: np.ndarray
+    seconds: np.ndarray
+    """Per member, per stage (all layers of the stage)."""
+    p2p_bytes: np.ndarray
+    """All members, all layers of the model."""
+    offload: np.ndarray
+    seq_owner: np.ndarray
+    """Index into ``orders`` of every (micro-batch, sequence) entry."""
+    seq_lengths: np.ndarray
+    holders: dict[int, list[int]]
+    """order -> the ranks whose lists hold that micro-batch."""
+
+
+def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
+    """Time, ring size and P2P bytes of every distinct micro-batch of ``plan``."""
+    lengths = plan.sequence_lengths()
+    seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
+    for rp in plan.ranks:
+        for mb in rp.micro_batches:
+            if mb.order not in seen:
+                seen[mb.order] = (mb.ring, mb.seqs, mb.offload_ratio)
+    # the ranks that hold each micro-batch (its ring in a valid plan)
+    holders: dict[int, list[int]] = {}
+    for rp in plan.ranks:
+        for mb in rp.micro_batches:
+            holders.setdefault(mb.order, []).append(rp.rank)
+    orders = np.array(sorted(seen), dtype=np.int64)
+    n = len(orders)
+    if n == 0:
+        z = np.zeros(0)
+        zi = z.astype(np.int64)
+        return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, offload=z,
+                               seq_owner=zi, seq_lengths=zi, holders={})
+    owner, seq_len, seq_ring = [], [], []
+    ring_sizes = np.empty(n, dtype=np.int64)
+    offload = np.empty(n)
+    intra = np.empty(n, dtype=bool)
+    rpn = cost_model.ranks_per_node
+    for k, o in enumerate(orders.tolist()):
+        ring, seqs, r = seen[o]
+        d = len(ring)
+        ring_sizes[k] = d
+        offload[k] = r
+        nodes = [m // rpn for m in ring]
+        intra[k] = min(nodes) == max(nodes)
+        for s in seqs:
+            owner.append(k)
+            seq_len.append(lengths[s])
+            seq_ring.append(d)
+    s = np.asarray(seq_len, dtype=np.int64)
+    d = np.asarray(seq_ring, dtype=np.int64)
+    parts = 2 * d
+    chunk = -(-s // parts)
+    chunk = -(-chunk // plan.align) * plan.align
+    padded = np.where(d == 1, s, chunk * parts).astype(np.float64)
+    owner_arr = np.asarray(owner, dtype=np.int64)
+    sum_p = np.bincount(owner_arr, weights=padded, minlength=n)
+    sum_p2 = np.bincount(owner_arr, weights=padded * padded, minlength=n)
+    seconds = np.atleast_1d(cost_model.ring_time_from_sums(
+        sum_p, sum_p2, ring_sizes, layers=plan.layers_per_stage, offload_ratio=offload, intra_node=intra,
+    ))
+    all_layers = plan.layers_per_stage * plan.pp_size
+    p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
+    return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
+                           offload=offload, seq_owner=owner_arr, seq_lengths=s, holders=holders)
+
+
+def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16) -> float:
+    """A second lower bound on the step: the slowest micro-batch on its fastest possible ring.
+
+    A micro-batch cannot finish faster than its time on the best ring size between its own and
+    ``hdp_size`` (time falls with D until the ring's communication floor, then latency makes it
+    rise); with PP it crosses every stage forward and backward, so ``pp_size`` times that. Only
+    the ``top`` slowest micro-batches are examined (the bound is their maximum).
+    """
+    if len(costs.orders) == 0:
+        return 0.0
+    n = plan.hdp_size
+    best = 0.0
+    for k in np.argsort(-costs.seconds, kind="stable")[:top].tolist():
+        lengths = costs.seq_lengths[costs.seq_owner == k]
+        d0 = int(costs.ring_sizes[k])
+        grid = {d0, n}
+        x = float(d0)
+        while x < n:
+            x = max(x * 1.1, x + 1)
+            grid.add(min(n, int(x)))
+        d = np.array(sorted(grid), dtype=np.int64)[None, :]
+        sl = lengths[:, None]
+        chunk = -(-sl // (2 * d))
+        chunk = -(-chunk // plan.align) * plan.align
+        p = np.where(d == 1, sl, chunk * 2 * d).astype(np.float64)
+        t = np.atleast_1d(cost_model.ring_time_from_sums(
+            p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=plan.layers_per_stage,
+            intra_node=d[0] <= cost_model.ranks_per_node,
+        ))
+        best = max(best, min(float(t.min()), float(costs.seconds[k])))
+    return best * plan.pp_size
+
+
+def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False) -> tuple[MicroBatchCosts, Simulation]:
+    """Costs of every micro-batch and the timed simulation of the whole plan."""
+    costs = micro_batch_costs(plan, cost_model)
+    if plan.pp_size == 1 and not record:
+        return costs, Simulation(rank_finish_s=_sequential_finish(plan, costs))
+    durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+    sim = simulate(plan, durations, forward_fraction=cost_model.forward_fraction, record=record)
+    return costs, sim
+
+
+def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
+    """PP = 1 fast path: process micro-batches in ascending order (valid plans only: every
+    rank's list ascends, so this is the same schedule :func:`.order.simulate` computes)."""
+    members = costs.holders
+    barriers = sorted(set(int(b) for b in plan.meta.get("barrier_after_orders", []) or []))
+    free = np.zeros(plan.hdp_size)
+    bi = 0
+    for o, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
+        while bi < len(barriers) and barriers[bi] < o:
+            free[:] = free.max()
+            bi += 1
+        ranks = members[o]
+        if len(ranks) == 1:
+            free[ranks[0]] += t
+        else:
+            idx = np.asarray(ranks)
+            free[idx] = free[idx].max() + t
+    return free
+
+
+def estimate_plan(plan: StepPlan, cost_model: CostModel) -> Estimate:
+    """The :class:`Estimate` of ``plan`` (see the module docstring for the model).
+
+    ``extra`` holds: ``max_rank_time_s``, ``mean_rank_time_s``, ``min_rank_time_s``,
+    ``lower_bound_s``, ``balance_ratio`` (step / lower bound), ``critical_path_s`` (see
+    :func:`critical_path`), ``balance_ratio_vs_bound`` (step / max(lower bound, critical path)),
+    ``idle_fraction``, ``num_micro_batches``,
+    ``num_rings`` (ring size > 1), ``ring_size_histogram`` ({size: count} over distinct
+    micro-batches, sizes as strings for JSON), ``max_ring_size``, ``offloaded_micro_batches``,
+    ``micro_batch_counts`` (per rank), ``num_barriers``, ``model``.
+    """
+    costs, sim = simulate_plan(plan, cost_model)
+    rank_time = sim.rank_finish_s
+    n = plan.hdp_size
+    busy = float(np.sum(costs.seconds * costs.ring_sizes))
+    lower = busy / n if n else 0.0
+    step = float(rank_time.max()) if n else 0.0
+    hist = Counter(costs.ring_sizes.tolist())
+    critical = critical_path(plan, cost_model, costs)
+    bound = max(lower, critical)
+    extra: dict[str, Any] = {
+        "max_rank_time_s": step,
+        "mean_rank_time_s": float(rank_time.mean()) if n else 0.0,
+        "min_rank_time_s": float(rank_time.min()) if n else 0.0,
+        "lower_bound_s": lower,
+        "balance_ratio": step / lower if lower > 0 else 1.0,
+        "critical_path_s": critical,
+        "balance_ratio_vs_bound": step / bound if bound > 0 else 1.0,
+        "idle_fraction": 1.0 - busy / (step * n) if step > 0 else 0.0,
+        "num_micro_batches": int(len(costs.orders)),
+        "num_rings": int(np.sum(costs.ring_sizes > 1)),
+        "ring_size_histogram": {str(k): int(v) for k, v in sorted(hist.items())},
+        "max_ring_size": int(costs.ring_sizes.max()) if len(costs.ring_sizes) else 0,
+        "offloaded_micro_batches": int(np.sum(costs.offload > 0)),
+        "micro_batch_counts": plan.micro_batch_counts(),
+        "num_barriers": len(plan.meta.get("barrier_after_orders", []) or []),
+        "model": "sequential rendezvous" if plan.pp_size == 1 else f"1F1B x {plan.pp_size} stages, coupled rings",
+    }
+    return Estimate(
+        step_time_s=step,
+        rank_time_s=tuple(float(x) for x in rank_time),
+        p2p_bytes=int(round(float(np.sum(costs.p2p_bytes)))),
+        extra=extra,
+    )

@@ -1,0 +1,202 @@
+"""Execution order of a plan and its deadlock freedom (DESIGN.md D5), by simulation.
+
+Every rank runs its micro-batches in list order (which :meth:`StepPlan.validate` requires to be
+increasing ``order``). A ring micro-batch is a rendezvous: it can only run when every member has
+reached it. This module simulates that, as a dependency graph processed in topological order
+(Kahn), so it both proves a plan deadlock-free and times it:
+
+* **PP = 1.** One node per micro-batch (its global ``order``). A rank's micro-batch depends on
+  the rank's previous one; a ring node waits for all members. Node duration = the micro-batch's
+  time.
+* **PP > 1.** Every HDP rank is one pipeline of ``pp_size`` stages running the non-interleaved
+  1F1B schedule on its own micro-batch list (warm-up ``min(pp - 1 - stage, m)`` forwards, then
+  one-forward-one-backward, then the cool-down backwards; ``m`` may differ per pipeline). One
+  node per (micro-batch, F|B, stage); a ring op at a stage is a rendezvous of the same op on all
+  members' pipelines. Edges: each stage's op sequence, F(stage - 1) -> F(stage),
+  B(stage + 1) -> B(stage), F(last) -> B(last). Forward takes ``forward_fraction`` of the
+  micro-batch's stage time, backward the rest. Activation sends between stages are free.
+* **Barriers** (``meta["barrier_after_orders"]``): a barrier after order k is a node that waits
+  for every node of orders in (previous barrier, k], and every later node waits for it.
+
+If some node can never run, the plan deadlocks: :func:`check_deadlock_free` raises
+:class:`PlanError` naming the stuck ranks and what they wait for.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from .plan import PlanError, StepPlan
+
+Node = Hashable
+
+
+def pipeline_ops(num_micro_batches: int, pp_size: int, stage: int) -> list[tuple[str, int]]:
+    """The 1F1B op sequence of one stage: ``("F", i)`` / ``("B", i)`` with local indices i."""
+    m = num_micro_batches
+    warmup = min(pp_size - 1 - stage, m)
+    ops: list[tuple[str, int]] = [("F", i) for i in range(warmup)]
+    for k in range(m - warmup):
+        ops.append(("F", warmup + k))
+        ops.append(("B", k))
+    ops.extend(("B", i) for i in range(m - warmup, m))
+    return ops
+
+
+@dataclass
+class Simulation:
+    """Result of :func:`simulate`."""
+
+    rank_finish_s: np.ndarray
+    """Per HDP rank: when its last op finishes (its pipeline's makespan with PP)."""
+    node_times: dict[Node, tuple[float, float]] = field(default_factory=dict)
+    """(start, finish) per node when ``record=True``; nodes are orders (PP = 1) or
+    ``(order, "F"|"B", stage)`` (PP > 1)."""
+
+
+def rank_orders(plan: StepPlan) -> list[list[int]]:
+    """The order numbers of every rank's micro-batches, in list (execution) order."""
+    return [[mb.order for mb in rp.micro_batches] for rp in plan.ranks]
+
+
+def _barrier_segments(orders: Sequence[int], barriers: Sequence[int]) -> dict[int, int]:
+    """Segment index of every order: the number of barriers strictly before it."""
+    bs = sorted(set(int(b) for b in barriers))
+    return {o: int(np.searchsorted(bs, o, side="left")) for o in orders}
+
+
+def simulate(
+    plan: StepPlan,
+    durations: Mapping[int, float] | None = None,
+    *,
+    forward_fraction: float = 1.0 / 3.0,
+    barriers: Sequence[int] | None = None,
+    record: bool = False,
+) -> Simulation:
+    """Run the plan's dependency graph; raise :class:`PlanError` on a deadlock.
+
+    ``durations`` maps order -> seconds of the micro-batch on one member (per stage with PP);
+    missing or None means zero (a pure deadlock check). ``barriers`` defaults to
+    ``plan.meta["barrier_after_orders"]``.
+    """
+    lists = rank_orders(plan)
+    if barriers is None:
+        barriers = list(plan.meta.get("barrier_after_orders", []) or [])
+    dur = durations or {}
+    pp = plan.pp_size
+    succ: dict[Node, list[Node]] = defaultdict(list)
+    indeg: dict[Node, int] = defaultdict(int)
+    weight: dict[Node, float] = {}
+    rank_nodes: list[list[Node]] = []
+
+    def edge(u: Node, v: Node) -> None:
+        succ[u].append(v)
+        indeg[v] += 1
+
+    if pp == 1:
+        for orders in lists:
+            for k, o in enumerate(orders):
+                weight.setdefault(o, float(dur.get(o, 0.0)))
+                indeg.setdefault(o, 0)
+                if k:
+                    edge(orders[k - 1], o)
+            rank_nodes.append(list(orders))
+    else:
+        joint_edges: set[tuple[Node, Node]] = set()
+        for orders in lists:
+            m = len(orders)
+            nodes_here: list[Node] = []
+            for stage in range(pp):
+                prev: Node | None = None
+                for phase, i in pipeline_ops(m, pp, stage):
+                    o = orders[i]
+                    node = (o, phase, stage)
+                    t = float(dur.get(o, 0.0))
+                    weight.setdefault(node, t * forward_fraction if phase == "F" else t * (1.0 - forward_fraction))
+                    indeg.setdefault(node, 0)
+                    if prev is not None:
+                        edge(prev, node)
+                    prev = node
+                    nodes_here.append(node)
+                    if phase == "F" and stage > 0:
+                        joint_edges.add(((o, "F", stage - 1), node))
+                    elif phase == "B" and stage < pp - 1:
+                        joint_edges.add(((o, "B", stage + 1), node))
+                    elif phase == "B":
+                        joint_edges.add(((o, "F", stage), node))
+            rank_nodes.append(nodes_here)
+        for u, v in joint_edges:
+            edge(u, v)
+
+    if barriers:
+        def order_of(n: Node) -> int:
+            return n if pp == 1 else n[0]  # type: ignore[index]
+
+        all_nodes = list(weight)
+        seg = _barrier_segments(sorted({order_of(n) for n in all_nodes}), barriers)
+        nbar = len(sorted(set(int(b) for b in barriers)))
+        for b in range(nbar):
+            weight[("barrier", b)] = 0.0
+            indeg.setdefault(("barrier", b), 0)
+        for n in all_nodes:
+            s = seg[order_of(n)]
+            if s < nbar:
+                edge(n, ("barrier", s))
+            if s > 0:
+                edge(("barrier", s - 1), n)
+
+    ready_at: dict[Node, float] = defaultdict(float)
+    finish: dict[Node, float] = {}
+    queue = deque(n for n in weight if indeg[n] == 0)
+    times: dict[Node, tuple[float, float]] = {}
+    while queue:
+        u = queue.popleft()
+        start = ready_at[u]
+        end = start + weight[u]
+        finish[u] = end
+        if record:
+            times[u] = (start, end)
+        for v in succ.get(u, ()):
+            if end > ready_at[v]:
+                ready_at[v] = end
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                queue.append(v)
+
+    if len(finish) != len(weight):
+        raise PlanError(_deadlock_message(plan, lists, rank_nodes, finish, pp))
+
+    out = np.zeros(plan.hdp_size)
+    for r, nodes in enumerate(rank_nodes):
+        if nodes:
+            out[r] = max(finish[n] for n in nodes)
+    return Simulation(rank_finish_s=out, node_times=times)
+
+
+def _deadlock_message(plan: StepPlan, lists: list[list[int]], rank_nodes: list[list[Node]],
+                      finish: Mapping[Node, float], pp: int) -> str:
+    holders: dict[int, list[int]] = defaultdict(list)
+    for r, orders in enumerate(lists):
+        for o in orders:
+            holders[o].append(r)
+    stuck = []
+    for r, nodes in enumerate(rank_nodes):
+        pending = [n for n in nodes if n not in finish]
+        if not pending:
+            continue
+        n = pending[0]
+        o = n if pp == 1 else n[0]  # type: ignore[index]
+        what = f"order {o}" if pp == 1 else f"{n[1]} of order {o} at stage {n[2]}"  # type: ignore[index]
+        stuck.append(f"rank {r} waits at {what} (ring members {holders[o]})")
+    shown = "; ".join(stuck[:8]) + ("; ..." if len(stuck) > 8 else "")
+    ranks = [int(s.split()[1]) for s in stuck]
+    return f"deadlock: ranks {ranks[:32]}{' ...' if len(ranks) > 32 else ''} can never proceed: {shown}"
+
+
+def check_deadlock_free(plan: StepPlan) -> None:
+    """Raise :class:`PlanError` naming the stuck ranks if the plan cannot run to the end."""
+    simulate(plan)

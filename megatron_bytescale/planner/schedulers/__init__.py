@@ -1,0 +1,107 @@
+"""The schedulers and the planner's single entry point, :func:`make_plan`.
+
+===========  ==================================================================  =========
+name         what                                                                 offload
+===========  ==================================================================  =========
+``naive``    paper Alg. 1: Eq. 3 rings + packs, simple time-step fill             Eq. 3
+``balance``  paper Alg. 2: DP-Balance (pp = 1) / PP-Balance (pp > 1)             Eq. 3
+``static``   Megatron/MegaScale static DP x CP with packing (paper's baseline)    never
+``pow2``     Megatron hybrid CP: power-of-two rings on aligned blocks, barriers   never
+===========  ==================================================================  =========
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+from ..cost_model import CostModel
+from ..estimate import estimate_plan
+from ..plan import StepPlan
+from ._common import OVERLONG_MODES, PlanRequest, build_request
+from .balance import plan_balance
+from .naive import plan_naive
+from .pow2 import plan_pow2
+from .static import plan_static, static_cp_size
+
+logger = logging.getLogger(__name__)
+
+SCHEDULERS: Mapping[str, Callable[[PlanRequest], StepPlan]] = {
+    "naive": plan_naive,
+    "balance": plan_balance,
+    "static": plan_static,
+    "pow2": plan_pow2,
+}
+
+DEFAULT_DELTA = 0.05
+DEFAULT_NUM_BUCKETS = 4
+
+
+def make_plan(
+    lengths: Any,
+    *,
+    scheduler: str,
+    hdp_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    offload: bool = True,
+    overlong: str = "error",
+    align: int = 1,
+    context_length: int | None = None,
+    delta: float = DEFAULT_DELTA,
+    num_buckets: int = DEFAULT_NUM_BUCKETS,
+    estimate: bool = True,
+) -> StepPlan:
+    """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
+
+    Args:
+        lengths: token count of every sequence (ints >= 1); sequence ids are the indices.
+        scheduler: one of :data:`SCHEDULERS` (``naive``, ``balance``, ``static``, ``pow2``).
+        hdp_size: HDP ranks (Megatron's DP x CP group size).
+        capacity: C, tokens of resident activations one rank holds per micro-batch.
+        cost_model: per-layer time/memory model (:mod:`..presets` or :meth:`CostModel.fit`).
+        pp_size: pipeline stages; must divide ``cost_model.num_layers``.
+        offload: let ``naive``/``balance`` use Eq. 3's selective offload.
+        overlong: ``"error"``, ``"drop"`` or ``"truncate"`` for sequences that cannot fit even on
+            all ranks (with full offload), or are longer than ``context_length``.
+        align: zigzag padding alignment of every part (e.g. 8 or 16 for some kernels).
+        context_length: longest allowed sequence; the static baseline's context (default: the
+            longest sequence of the batch).
+        delta: Alg. 2's threshold as a fraction of the max rank time.
+        num_buckets: Alg. 2's equal-work buckets (PP-Balance).
+        estimate: attach :func:`..estimate.estimate_plan`'s estimate to the plan.
+
+    Returns:
+        A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
+        context length, cost model, ring count and anything dropped or truncated.
+
+    Raises:
+        ValueError: bad input (the message names the value and what to do).
+    """
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
+    request = build_request(
+        lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+        offload=offload, overlong=overlong, align=align, context_length=context_length,
+        delta=delta, num_buckets=num_buckets,
+    )
+    # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
+    # rescan them (and the caller's heap) several times while they are built, for nothing.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        plan = SCHEDULERS[scheduler](request)
+        if estimate and plan.estimate is None:
+            plan = replace(plan, estimate=estimate_plan(plan, cost_model))
+        elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
+            plan = replace(plan, estimate=None)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return plan
+
+
+__all__ = ["SCHEDULERS", "OVERLONG_MODES", "make_plan", "static_cp_size"]

@@ -1,0 +1,294 @@
+"""What every scheduler shares: input checks, overlong handling, plan emission.
+
+Schedulers receive a checked :class:`PlanRequest` and return :class:`Placement` s in the global
+order the ranks must follow; :func:`emit_plan` turns them into a :class:`StepPlan` through
+:class:`FastPlanBuilder` (a :class:`PlanBuilder` whose ``add`` computes each member's zigzag share
+in O(1) instead of listing all 2N parts per member).
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..cost_model import CostModel
+from ..plan import MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
+from ..sharding import ShardingContext, Unit
+from ..zigzag import zigzag_chunk
+
+logger = logging.getLogger(__name__)
+
+OVERLONG_MODES = ("error", "drop", "truncate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """Checked inputs of :func:`make_plan`."""
+
+    ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    hdp_size: int
+    capacity: int
+    cost_model: CostModel
+    pp_size: int = 1
+    layers: int
+    offload: bool = True
+    overlong: str = "error"
+    align: int = 1
+    context_length: int | None = None
+    delta: float = 0.05
+    num_buckets: int = 4
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
+        return ShardingContext(
+            capacity=self.capacity, layers=self.layers, cost_model=self.cost_model,
+            hdp_size=self.hdp_size, align=self.align,
+            offload=self.offload if offload is None else offload,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """One ring micro-batch: its members (ring order) and what it carries."""
+
+    ring: tuple[int, ...]
+    seqs: tuple[int, ...]
+    offload_ratio: float = 0.0
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+    return int(value)
+
+
+def check_lengths(lengths: Any) -> np.ndarray:
+    """Sequence lengths as int64; every one must be an integer >= 1."""
+    if isinstance(lengths, np.ndarray):
+        arr = lengths.reshape(-1)
+        if arr.dtype.kind not in "iu":
+            bad = next((i for i, x in enumerate(arr.tolist()) if not float(x).is_integer()), None)
+            where = f" (index {bad}: {arr[bad].item()!r})" if bad is not None else ""
+            raise ValueError(f"sequence lengths must be integers, got dtype {arr.dtype}{where}")
+        arr = arr.astype(np.int64)
+    else:
+        values = list(lengths)
+        for i, x in enumerate(values):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise ValueError(f"sequence length at index {i} ({x!r}) is not an integer; lengths are token counts")
+        arr = np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
+    bad = np.flatnonzero(arr <= 0)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence length at index {i} is {int(arr[i])}; every length must be >= 1 "
+            f"({len(bad)} bad value(s); drop empty documents before planning)"
+        )
+    return arr
+
+
+def build_request(
+    lengths: Any,
+    *,
+    hdp_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    offload: bool,
+    overlong: str,
+    align: int,
+    context_length: int | None,
+    delta: float,
+    num_buckets: int,
+) -> PlanRequest:
+    """Check every argument of :func:`make_plan`; raise ValueError naming the bad one."""
+    arr = check_lengths(lengths)
+    hdp_size = _check_int("hdp_size", hdp_size)
+    capacity = _check_int("capacity", capacity)
+    pp_size = _check_int("pp_size", pp_size)
+    align = _check_int("align", align)
+    num_buckets = _check_int("num_buckets", num_buckets)
+    if context_length is not None:
+        context_length = _check_int("context_length", context_length)
+    if overlong not in OVERLONG_MODES:
+        raise ValueError(f"overlong ({overlong!r}) must be one of {list(OVERLONG_MODES)}")
+    if not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= float(delta) < 1:
+        raise ValueError(f"delta ({delta!r}) must be a fraction of the max rank time in [0, 1)")
+    layers = cost_model.layers_per_stage(pp_size)
+    return PlanRequest(
+        ids=tuple(range(len(arr))), lengths=tuple(int(x) for x in arr.tolist()),
+        hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+        layers=layers, offload=bool(offload), overlong=overlong, align=align,
+        context_length=context_length, delta=float(delta), num_buckets=num_buckets,
+    )
+
+
+def apply_overlong(
+    request: PlanRequest,
+    max_length: int,
+    *,
+    why: str,
+    hint: str,
+) -> PlanRequest:
+    """Handle sequences longer than ``max_length`` per ``request.overlong``.
+
+    ``error`` raises naming the first one; ``drop`` removes them (``meta["dropped"]``);
+    ``truncate`` cuts them to ``max_length`` (``meta["truncated"]``: id, from, to).
+    """
+    if request.context_length is not None:
+        if request.context_length < max_length:
+            max_length, why = request.context_length, f"the context length is {request.context_length}"
+    over = [(i, n) for i, n in zip(request.ids, request.lengths) if n > max_length]
+    if not over:
+        return request
+    if max_length < 1 and request.overlong == "truncate":
+        raise ValueError(f"no sequence can fit ({why}); truncation is impossible. {hint}")
+    if request.overlong == "error":
+        sid, n = over[0]
+        raise ValueError(
+            f"sequence {sid} has {n} tokens but at most {max_length} fit: {why}. "
+            f"{len(over)} sequence(s) are too long. {hint}, or pass overlong='drop' or 'truncate' "
+            f"(--overlong drop|truncate)"
+        )
+    meta = dict(request.meta)
+    if request.overlong == "drop":
+        dropped = {i for i, _ in over}
+        keep = [(i, n) for i, n in zip(request.ids, request.lengths) if i not in dropped]
+        meta["dropped"] = sorted(dropped)
+        meta["dropped_tokens"] = int(sum(n for _, n in over))
+        logger.info("dropped %d overlong sequence(s) (%d tokens)", len(dropped), meta["dropped_tokens"])
+    else:
+        keep = [(i, min(n, max_length)) for i, n in zip(request.ids, request.lengths)]
+        meta["truncated"] = [{"id": i, "from": n, "to": max_length} for i, n in over]
+        meta["truncated_tokens"] = int(sum(n - max_length for _, n in over))
+        logger.info("truncated %d overlong sequence(s) to %d tokens", len(over), max_length)
+    meta["overlong_limit"] = int(max_length)
+    return replace(request, ids=tuple(i for i, _ in keep), lengths=tuple(n for _, n in keep), meta=meta)
+
+
+class FastPlanBuilder(PlanBuilder):
+    """:class:`PlanBuilder` with an O(1)-per-member ``add`` (same micro-batches, same orders).
+
+    :func:`~megatron_bytescale.planner.plan.build_ring_micro_batches` calls ``zigzag_share``
+    per member, which lists all 2N parts: O(N^2) per ring, minutes for rings of thousands of
+    ranks. Here each member's two parts come from the chunk size directly.
+    """
+
+    def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
+        order = self._next_order
+        self._next_order += 1
+        ring_t = tuple(int(r) for r in ring)
+        seqs_t = tuple(int(s) for s in seqs)
+        n = len(ring_t)
+        if n == 1:
+            pieces = tuple(Piece(seq=s, start=0, end=self.lengths[s]) for s in seqs_t)
+            self.per_rank[ring_t[0]].append(
+                MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces)
+            )
+            return order
+        last = 2 * n - 1
+        pieces_of: list[list[Piece]] = [[] for _ in range(n)]
+        for s in seqs_t:
+            length = self.lengths[s]
+            chunk = zigzag_chunk(length, n, self.align)
+            # only the first ceil(length / chunk) parts hold real tokens; part k belongs to
+            # position k (k < n) or 2n-1-k, and a position's lower part comes first
+            for k in range(min(2 * n, -(-length // chunk))):
+                a = k * chunk
+                pieces_of[k if k < n else last - k].append(Piece(seq=s, start=a, end=min(a + chunk, length)))
+        for pos, rank in enumerate(ring_t):
+            self.per_rank[rank].append(
+                MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t,
+                           pieces=tuple(pieces_of[pos]))
+            )
+        return order
+
+
+def emit_plan(
+    request: PlanRequest,
+    placements: Sequence[Placement],
+    *,
+    scheduler: str,
+    meta: Mapping[str, Any] | None = None,
+    offload_allowed: bool = True,
+) -> StepPlan:
+    """Assemble the plan: orders follow ``placements``; meta gets the common fields.
+
+    ``offload_allowed`` is False for the baselines, which never offload whatever was requested.
+    """
+    lengths = dict(zip(request.ids, request.lengths))
+    builder = FastPlanBuilder(hdp_size=request.hdp_size, capacity=request.capacity,
+                              lengths=lengths, align=request.align)
+    for p in placements:
+        builder.add(p.ring, p.seqs, p.offload_ratio)
+    ring_sizes = [len(p.ring) for p in placements]
+    full_meta: dict[str, Any] = {
+        "context_length": int(request.context_length or max(request.lengths, default=0)),
+        "cost_model": request.cost_model.name,
+        "num_micro_batches": len(placements),
+        "num_rings": sum(1 for d in ring_sizes if d > 1),
+        "max_ring_size": max(ring_sizes, default=0),
+        "offload": request.offload and offload_allowed,
+        "offloaded_micro_batches": sum(1 for p in placements if p.offload_ratio > 0),
+        "overlong": request.overlong,
+        **request.meta,
+        **(meta or {}),
+    }
+    sequences = tuple(PlanSequence(id=i, length=n) for i, n in zip(request.ids, request.lengths))
+    return builder.build(scheduler=scheduler, pp_size=request.pp_size, layers_per_stage=request.layers,
+                         sequences=sequences, meta=full_meta)
+
+
+def split_equal_work(units: Sequence[Unit], num_buckets: int) -> list[list[Unit]]:
+    """Cut a sorted list into at most ``num_buckets`` contiguous buckets of ~equal total work."""
+    if not units:
+        return []
+    work = np.cumsum([u.work for u in units])
+    total = float(work[-1])
+    if total <= 0 or num_buckets <= 1:
+        return [list(units)]
+    bounds = np.searchsorted(work, total * np.arange(1, num_buckets) / num_buckets, side="left") + 1
+    out, start = [], 0
+    for b in list(bounds) + [len(units)]:
+        b = int(min(max(b, start), len(units)))
+        if b > start:
+            out.append(list(units[start:b]))
+            start = b
+    if start < len(units):
+        out.append(list(units[start:]))
+    return out
+
+
+def unit_sort_key(u: Unit) -> tuple:
+    """Heaviest first: time, then ring size, then first sequence id (deterministic)."""
+    return (-u.time, -u.ring_size, u.seqs[0])
+
+
+def unit_work_key(u: Unit) -> tuple:
+    """Most rank-seconds first (a wide ring before a long single), then as :func:`unit_sort_key`."""
+    return (-u.work, -u.time, -u.ring_size, u.seqs[0])
+
+
+SchedulerFn = Callable[[PlanRequest], StepPlan]
+
+
+def apply_hdp_overlong(request: PlanRequest) -> PlanRequest:
+    """Overlong handling for the HDP schedulers: a sequence must fit on all ranks (with full
+    offload when offload is on)."""
+    from ..offload import max_fitting_length
+
+    limit = max_fitting_length(capacity=request.capacity, layers=request.layers,
+                               cost_model=request.cost_model, max_ring_size=request.hdp_size,
+                               offload=request.offload, align=request.align)
+    how = "with full offload " if request.offload and request.layers > 2 else ""
+    why = (f"even all {request.hdp_size} HDP ranks {how}hold at most {limit} tokens of one "
+           f"sequence at capacity {request.capacity}")
+    hint = "Use more HDP ranks or a larger capacity" + ("" if request.offload else ", enable offload")
+    return apply_overlong(request, limit, why=why, hint=hint)

@@ -1,0 +1,337 @@
+"""``balance``: the paper's Alg. 2 ("Balance Strategy for HDP"), DP-Balance and PP-Balance.
+
+Sharding and offload come from §5 as in ``naive`` (packs of short sequences on one rank, each long
+sequence on D(s) ranks from Eq. 3). Then:
+
+1. **Widening** (our addition; the paper is silent). Eq. 3's D(s) is the *fewest* ranks a
+   sequence may use. A 2M-token sequence on D(s) ranks can take longer than the whole step's
+   lower bound ``LB = total rank-seconds / d_hdp``, and no assignment can then balance. Every
+   unit whose per-rank time exceeds LB (LB / pp_size with PP: a micro-batch crosses every stage)
+   gets the smallest ring (up to d_hdp) that brings it under that, or within 2 % of the fastest
+   any ring size gives when its communication floor is above it, with the smallest offload ratio
+   that still fits (often none). A widening is kept only if it lowers max(LB, the unit's time);
+   LB is recomputed and the pass repeated until stable (at most 4 passes).
+2. **Sort and bucketize.** Units are sorted by estimated time, longest first, and cut into
+   ``num_buckets`` contiguous buckets of ~equal work (rank-seconds).
+3. **DP-Balance (pp_size == 1).** Alg. 2 takes units from the first (heaviest) non-empty bucket
+   and gives them to *target ranks* (``max_time - t_i > delta * max_time``, all ranks if none).
+   Giving each unit to the least-loaded targets (ties by rank id; a ring takes its D
+   least-loaded ranks, topped up with the least-loaded others) makes this LPT list scheduling,
+   which we run with a heap: buckets and delta therefore do not change DP-Balance plans (they
+   shape PP-Balance). Units go heaviest *work* first (rank-seconds: a wide ring before a long
+   single, so rings start while ranks are still level; a ring starts when its slowest member is
+   free and that idle wait is charged). A ring that fits one node may take the least-loaded
+   ranks of one node instead when NVLink makes it finish first. Ranks that run light units get
+   more of them, so micro-batch counts differ per rank.
+4. **PP-Balance (pp_size > 1).** Ring micro-batches must sit at the same local index on all
+   members (D5, checked by the validator). Rings are placed first, widest first, on the D
+   least-loaded ranks of one *count group* (ranks that have run the same number of micro-batches);
+   the widest remaining ring always fits the group the previous ring created. Single-rank units
+   then follow Alg. 2's "sequentially from all buckets": each target pipeline (below
+   ``max - delta * max``) takes a *run* of consecutive units from the sorted stream, staying inside
+   the current bucket, until the next would pass the current max. So a pipeline gets a run of
+   similar micro-batches (Insight 1: fewer transition bubbles) and lighter pipelines get more
+   of them (Fig. 12). When no pipeline is a target, all are, and each takes at least one unit.
+5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment, the
+   same on Eq. 3's (unwidened) units, and Alg. 1's fill of Eq. 3's units; ``meta["assignment"]``
+   says which won. At scale the first wins and the others are skipped when they cannot (their
+   longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
+   case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
+
+Defaults. ``delta = 0.05``: Megatron's hybrid-CP uses 5 % of the max time (paper.md §5.4); a
+smaller delta makes runs shorter, a larger one tolerates more spread before a pipeline becomes a
+target. ``num_buckets = 4``: the paper gives no value; Megatron uses one bucket per distinct CP
+size. Four equal-work levels separate "longest / long / medium / packs" in long-tailed batches
+while keeping runs long enough to matter; it only affects PP-Balance.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from ..estimate import estimate_plan
+from ..plan import StepPlan
+from ..sharding import ShardingContext, Unit, shard_batch
+from .naive import fill_steps, fill_steps_aligned
+from ._common import (
+    Placement,
+    PlanRequest,
+    apply_hdp_overlong,
+    emit_plan,
+    split_equal_work,
+    unit_sort_key,
+    unit_work_key,
+)
+
+NAME = "balance"
+WIDEN_PASSES = 4
+
+
+def plan_balance(request: PlanRequest) -> StepPlan:
+    """Alg. 2; see the module docstring."""
+    request = apply_hdp_overlong(request)
+    ctx = request.sharding_context()
+    eq3_units = shard_batch(request.ids, request.lengths, ctx)
+    units, widened = widen_for_balance(list(eq3_units), ctx, request.hdp_size, pp_size=request.pp_size)
+    units.sort(key=unit_sort_key)
+    meta = {"delta": request.delta, "num_buckets": request.num_buckets}
+    if request.pp_size == 1:
+        placements, assignment, widened = _best_dp_assignment(units, eq3_units, widened, ctx, request.hdp_size)
+        meta.update(mode="DP-Balance", widened_units=widened, assignment=assignment)
+        return emit_plan(request, placements, scheduler=NAME, meta=meta)
+    return _best_pp_plan(request, units, eq3_units, widened, ctx, meta)
+
+
+# --------------------------------------------------------------------------- widening
+def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_size: int = 1) -> tuple[list[Unit], int]:
+    """Give units slower than the target more ranks; returns the units and how many grew.
+
+    The target is the lower bound LB without PP. With PP a pipeline needs at least
+    ``pp_size * t`` for a micro-batch of stage time t (it crosses every stage forward and back),
+    so the target is LB / pp_size.
+    """
+    if n <= 1 or not units:
+        return units, 0
+    grown: set[int] = set()
+    for _ in range(WIDEN_PASSES):
+        work = sum(u.work for u in units)
+        target = work / n / pp_size
+        changed = False
+        for k, u in enumerate(units):
+            if u.time <= target * (1 + 1e-9) or u.ring_size >= n:
+                continue
+            w = _smallest_ring_under(u, target, ctx, n)
+            # only if it lowers the bound max(work / n, this unit's time): a wider ring costs more
+            # rank-seconds (gamma and communication per member), which can outweigh the gain
+            new_work = work - u.work + w.work
+            if w.ring_size != u.ring_size and max(new_work / n, w.time * pp_size) < max(work / n, u.time * pp_size) * (1 - 1e-9):
+                units[k] = w
+                work = new_work
+                grown.add(k)
+                changed = True
+        if not changed:
+            break
+    return units, len(grown)
+
+
+def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, n: int) -> Unit:
+    """The unit on the smallest ring in (ring_size, n] whose time is <= target.
+
+    A ring's time cannot fall below its communication floor: every member receives the whole
+    sequence's K/V in forward and K/V plus dK/dV in backward, ``(2 * kv + dkv) * s / bandwidth`` per layer
+    whatever D is, and each extra member adds a latency per step. So time(D) falls, flattens,
+    then rises again. We evaluate it on a geometric grid of ring sizes, find the fastest, and if
+    the target is below that (a very long sequence) aim at 2 % above the fastest instead, so the
+    ring does not burn ranks on exposed communication. Then the smallest grid size that meets the
+    aim is refined by bisection against the grid point before it.
+    """
+    grid = _ring_grid(u.ring_size, n)
+    times = ctx.time_on_rings(u.lengths, grid)
+    best = int(np.argmin(times))
+    if grid[best] == u.ring_size:
+        return u
+    aim = max(target, float(times[best]) * 1.02)
+    k = int(np.flatnonzero(times[: best + 1] <= aim)[0])
+    lo, hi = int(grid[k - 1]) if k else u.ring_size, int(grid[k])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ctx.time_on_rings(u.lengths, np.array([mid]))[0] <= aim:
+            hi = mid
+        else:
+            lo = mid
+    return ctx.resize(u, hi) if hi != u.ring_size else u
+
+
+def _ring_grid(lo: int, hi: int) -> np.ndarray:
+    """Ring sizes lo, ~1.1*lo, ... up to hi (both included)."""
+    sizes = {lo, hi}
+    x = float(lo)
+    while x < hi:
+        x = max(x * 1.1, x + 1)
+        sizes.add(min(hi, int(x)))
+    return np.array(sorted(sizes), dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- DP
+def _best_dp_assignment(
+    units: list[Unit], eq3_units: list[Unit], widened: int, ctx: ShardingContext, n: int
+) -> tuple[list[Placement], str, int]:
+    """The fastest (by the cost model) of: LPT on the widened units, LPT on Eq. 3's units, and
+    Alg. 1's time-step fill of Eq. 3's units.
+
+    LPT is a greedy heuristic (its worst case is 4/3 of optimal even without rings) and on tiny
+    batches the fill can win by chance; on real batches LPT on the widened units wins by far.
+    Keeping the best of three deterministic candidates costs two cheap extra passes.
+    """
+    candidates = [("lpt", *dp_balance(sorted(units, key=unit_work_key), ctx, n), widened)]
+    # both alternatives run Eq. 3's units, so neither can beat their longest one: skip them when
+    # the first candidate is already that fast (the common case at scale)
+    floor = max((u.time for u in eq3_units), default=0.0)
+    if candidates[0][2] <= floor:
+        return candidates[0][1], "lpt", widened
+    if widened:
+        candidates.append(("lpt-eq3", *dp_balance(sorted(eq3_units, key=unit_work_key), ctx, n), 0))
+    fill = fill_steps(n, [u for u in eq3_units if u.ring_size > 1], deque(u for u in eq3_units if u.ring_size == 1))[0]
+    candidates.append(("fill", fill, _makespan(fill, eq3_units, ctx, n), 0))
+    name, placements, _, grown = min(candidates, key=lambda c: c[2])
+    return placements, name, grown
+
+
+def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext, n: int) -> float:
+    """Finish time of ``placements`` run in order, rings starting when all members are free."""
+    by_seqs = {u.seqs: u for u in units}
+    free = np.zeros(n)
+    cm = ctx.cost_model
+    for p in placements:
+        u = by_seqs[p.seqs]
+        if len(p.ring) == 1:
+            free[p.ring[0]] += u.time
+        else:
+            idx = list(p.ring)
+            free[idx] = free[idx].max() + ctx.unit_time(u.lengths, len(p.ring), u.offload_ratio,
+                                                        intra_node=cm.ring_is_intra_node(p.ring))
+    return float(free.max()) if n else 0.0
+
+
+def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[list[Placement], float]:
+    """LPT: each unit (heaviest first) on its D least-loaded ranks, starting when all are free.
+
+    Topology: a ring of at most ``ranks_per_node`` members may instead take the D least-loaded
+    ranks of one node (one of the nodes of the overall choice) when NVLink makes it finish first.
+    Returns the placements and their makespan (the estimate's step time for PP = 1).
+    """
+    loads = np.zeros(n)
+    heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == loads[rank]
+    placements: list[Placement] = []
+    cm = ctx.cost_model
+    rpn = cm.ranks_per_node
+    for u in units:
+        d = u.ring_size
+        picked: list[int] = []
+        while len(picked) < d:
+            t, r = heapq.heappop(heap)
+            if t == loads[r] and r not in picked:
+                picked.append(r)
+        ring = tuple(sorted(picked))
+        if d == 1:
+            start, t_u = loads[ring[0]], u.time
+        else:
+            start = float(loads[list(ring)].max())
+            t_u = ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=cm.ring_is_intra_node(ring))
+            if d <= rpn and not cm.ring_is_intra_node(ring):
+                t_in = ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=True)
+                for node in sorted({r // rpn for r in ring}):
+                    members = np.arange(node * rpn, min(n, (node + 1) * rpn))
+                    if len(members) < d:
+                        continue
+                    best = members[np.lexsort((members, loads[members]))[:d]]
+                    s_node = float(loads[best].max())
+                    if s_node + t_in < start + t_u:
+                        start, t_u, ring = s_node, t_in, tuple(sorted(int(x) for x in best))
+        end = start + t_u
+        for r in picked:
+            if r not in ring:
+                heapq.heappush(heap, (loads[r], r))
+        for r in ring:
+            loads[r] = end
+            heapq.heappush(heap, (end, r))
+        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    return placements, float(loads.max()) if n else 0.0
+
+
+# --------------------------------------------------------------------------- PP
+def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
+               num_buckets: int) -> list[Placement]:
+    """Rings aligned by count groups (widest first), then runs of single-rank units."""
+    load = [0.0] * n
+    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, load)
+    singles = [u for u in units if u.ring_size == 1]
+    placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
+    return placements
+
+
+def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit], widened: int,
+                  ctx: ShardingContext, meta: dict) -> StepPlan:
+    """The fastest, by the full 1F1B estimate, of PP-Balance on the widened units, PP-Balance on
+    Eq. 3's units and Alg. 1's aligned fill (the safety net of :func:`_best_dp_assignment`; with
+    PP, widening trades fewer bubbles for more communication and the estimate decides)."""
+    n = request.hdp_size
+    kw = dict(delta=request.delta, num_buckets=request.num_buckets)
+    candidates = [("pp-runs", pp_balance(units, ctx, n, **kw), widened)]
+    if widened:
+        candidates.append(("pp-runs-eq3", pp_balance(sorted(eq3_units, key=unit_sort_key), ctx, n, **kw), 0))
+    fill = fill_steps_aligned(n, [u for u in eq3_units if u.ring_size > 1],
+                              deque(u for u in eq3_units if u.ring_size == 1))[0]
+    candidates.append(("fill", fill, 0))
+    best: StepPlan | None = None
+    for name, placements, grown in candidates:
+        plan = emit_plan(request, placements, scheduler=NAME,
+                         meta={**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name})
+        plan = replace(plan, estimate=estimate_plan(plan, ctx.cost_model))
+        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+            best = plan
+    return best
+
+
+def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, load: list[float]) -> list[Placement]:
+    n = len(load)
+    groups: dict[int, set[int]] = {0: set(range(n))}
+    count = [0] * n
+    placements: list[Placement] = []
+    cm = ctx.cost_model
+    for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
+        best: tuple[tuple[float, int], list[int]] | None = None
+        for c in sorted(groups):
+            g = groups[c]
+            if len(g) < u.ring_size:
+                continue
+            members = heapq.nsmallest(u.ring_size, g, key=lambda r: (load[r], r))
+            score = (max(load[r] for r in members), c)
+            if best is None or score < best[0]:
+                best = (score, members)
+        if best is None:
+            raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
+        ring = tuple(sorted(best[1]))
+        t = ctx.unit_time(u.lengths, u.ring_size, u.offload_ratio, intra_node=cm.ring_is_intra_node(ring))
+        for r in ring:
+            c = count[r]
+            groups[c].discard(r)
+            if not groups[c]:
+                del groups[c]
+            count[r] = c + 1
+            groups.setdefault(c + 1, set()).add(r)
+            load[r] += t
+        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    return placements
+
+
+def _place_runs(singles: list[Unit], load: list[float], *, delta: float, num_buckets: int) -> list[Placement]:
+    n = len(load)
+    buckets = split_equal_work(singles, num_buckets)
+    stream: deque[tuple[int, Unit]] = deque((b, u) for b, bucket in enumerate(buckets) for u in bucket)
+    placements: list[Placement] = []
+
+    def give(r: int) -> None:
+        _, u = stream.popleft()
+        load[r] += u.time
+        placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+
+    while stream:
+        max_t = max(load)
+        threshold = max_t - delta * max_t
+        targets = [r for r in range(n) if load[r] < threshold] or list(range(n))
+        targets.sort(key=lambda r: (load[r], r))
+        for r in targets:
+            if not stream:
+                break
+            bucket = stream[0][0]
+            give(r)
+            while stream and stream[0][0] == bucket and load[r] + stream[0][1].time <= max_t:
+                give(r)
+    return placements
+

@@ -1,0 +1,176 @@
+"""Data-aware sharding (paper §5.1, Alg. 1 lines 1-9): which sequences travel together, on how many ranks.
+
+* A sequence shorter than the capacity C never communicates: short sequences are packed onto
+  single ranks, best-fit decreasing, at most C tokens per pack.
+* A sequence of C or more tokens gets its own ring of D(s) ranks from Eq. 3 (:mod:`.offload`),
+  with the offload ratio that makes D(s) possible, cut per-document zigzag with ``align``.
+
+The result is a list of :class:`Unit` (one future micro-batch each) that the schedulers place
+on ranks. Everything is deterministic: sorts use the sequence id as the final tie-breaker.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .cost_model import CostModel
+from .offload import minimal_ratio_for_ring, solve_offload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit:
+    """Sequences that form one ring micro-batch, and the ring size they need."""
+
+    seqs: tuple[int, ...]
+    """Sequence ids in local buffer order."""
+    lengths: tuple[int, ...]
+    ring_size: int
+    offload_ratio: float = 0.0
+    min_ring_size: int = 1
+    """Eq. 3's D(s): the fewest ranks this unit may use (schedulers may widen up to the HDP size)."""
+    time: float = 0.0
+    """Seconds per member on ``ring_size`` ranks (assuming intra-node when the ring fits a node)."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def work(self) -> float:
+        """Rank-seconds: time times ring size."""
+        return self.time * self.ring_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingContext:
+    """What the sharding and the schedulers need to know about the cluster and the model."""
+
+    capacity: int
+    layers: int
+    """Layers per PP stage (l of Eq. 3; also the layers a rank runs per micro-batch)."""
+    cost_model: CostModel
+    hdp_size: int
+    align: int = 1
+    offload: bool = True
+
+    def unit_time(self, lengths: Sequence[int], ring_size: int, offload_ratio: float,
+                  intra_node: bool | None = None) -> float:
+        if intra_node is None:
+            intra_node = ring_size <= self.cost_model.ranks_per_node
+        return self.cost_model.micro_batch_time(
+            lengths, ring_size, layers=self.layers, offload_ratio=offload_ratio,
+            align=self.align, intra_node=intra_node,
+        )
+
+    def time_on_rings(self, lengths: Sequence[int], ring_sizes: np.ndarray) -> np.ndarray:
+        """Seconds per member of one unit on each ring size in ``ring_sizes`` (no offload; a
+        ratio chosen by Eq. 3 never exposes transfer time), vectorised."""
+        s = np.asarray(lengths, dtype=np.int64)[:, None]
+        d = np.asarray(ring_sizes, dtype=np.int64)[None, :]
+        parts = 2 * d
+        chunk = -(-s // parts)
+        chunk = -(-chunk // self.align) * self.align
+        p = np.where(d == 1, s, chunk * parts).astype(np.float64)
+        return np.asarray(self.cost_model.ring_time_from_sums(
+            p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=self.layers,
+            intra_node=d[0] <= self.cost_model.ranks_per_node,
+        ), dtype=np.float64).reshape(-1)
+
+    def resize(self, unit: Unit, ring_size: int) -> Unit:
+        """``unit`` on ``ring_size`` ranks (>= its minimum) with the smallest offload ratio that fits."""
+        if ring_size == unit.ring_size:
+            return unit
+        if len(unit.seqs) == 1 and self.offload:
+            r = minimal_ratio_for_ring(unit.lengths[0], ring_size, capacity=self.capacity,
+                                       cost_model=self.cost_model, layers=self.layers, align=self.align)
+            r = unit.offload_ratio if r is None else r
+        else:
+            r = 0.0 if ring_size > unit.ring_size else unit.offload_ratio
+        return replace(unit, ring_size=ring_size, offload_ratio=r,
+                       time=self.unit_time(unit.lengths, ring_size, r))
+
+
+def best_fit_decreasing(ids: Sequence[int], lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Pack items into bins of ``capacity`` by best-fit decreasing; returns bins of ids.
+
+    Items are taken longest first (ties by id); each goes to the open bin with the least room
+    that still fits it, else a new bin. Bins are returned in creation order, items in insertion
+    order.
+    """
+    order = sorted(range(len(ids)), key=lambda i: (-lengths[i], ids[i]))
+    bins: list[list[int]] = []
+    shift = max(1, len(ids)).bit_length()
+    room: list[int] = []  # sorted keys remaining << shift | bin index (one int compares fast)
+    for i in order:
+        need = lengths[i]
+        pos = bisect.bisect_left(room, need << shift)
+        if pos < len(room):
+            key = room.pop(pos)
+            b = key & ((1 << shift) - 1)
+            bins[b].append(ids[i])
+            bisect.insort(room, ((key >> shift) - need) << shift | b)
+        else:
+            bins.append([ids[i]])
+            bisect.insort(room, (capacity - need) << shift | (len(bins) - 1))
+    return bins
+
+
+def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext) -> list[Unit]:
+    """Units of a batch: BFD packs of the short sequences, then one ring unit per long sequence.
+
+    Long units come first in id order, packs after in packing order; schedulers sort as they
+    need.
+    """
+    length_of = dict(zip(ids, lengths))
+    short = [(i, n) for i, n in zip(ids, lengths) if n < ctx.capacity]
+    long_ = sorted((i, n) for i, n in zip(ids, lengths) if n >= ctx.capacity)
+    units: list[Unit] = []
+    decisions = [solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model,
+                               align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size)
+                 for _, n in long_]
+    times = long_times([n for _, n in long_], [d.ring_size for d in decisions],
+                       [d.offload_ratio for d in decisions], ctx)
+    for (sid, n), dec, t in zip(long_, decisions, times):
+        units.append(Unit(seqs=(sid,), lengths=(n,), ring_size=dec.ring_size, offload_ratio=dec.offload_ratio,
+                          min_ring_size=dec.ring_size, time=t))
+    if short:
+        bins = best_fit_decreasing([i for i, _ in short], [n for _, n in short], ctx.capacity)
+        times = pack_times([[length_of[s] for s in b] for b in bins], ctx)
+        for b, t in zip(bins, times):
+            units.append(Unit(seqs=tuple(b), lengths=tuple(length_of[s] for s in b), ring_size=1,
+                              min_ring_size=1, time=t))
+    return units
+
+
+def long_times(lengths: Sequence[int], ring_sizes: Sequence[int], ratios: Sequence[float],
+               ctx: ShardingContext) -> list[float]:
+    """Seconds of single-sequence units on their rings, vectorised (same as :meth:`unit_time`)."""
+    if not lengths:
+        return []
+    d = np.asarray(ring_sizes, dtype=np.int64)
+    p = ctx.cost_model.padded_lengths(np.asarray(lengths, dtype=np.int64), 1, 1)
+    parts = 2 * d
+    chunk = -(-p // parts)
+    chunk = -(-chunk // ctx.align) * ctx.align
+    p = np.where(d == 1, p, chunk * parts).astype(np.float64)
+    out = ctx.cost_model.ring_time_from_sums(p, p * p, d, layers=ctx.layers, offload_ratio=np.asarray(ratios),
+                                             intra_node=d <= ctx.cost_model.ranks_per_node)
+    return [float(x) for x in np.atleast_1d(out)]
+
+
+def pack_times(packs: Iterable[Sequence[int]], ctx: ShardingContext) -> list[float]:
+    """Seconds of single-rank packs, vectorised (D = 1, no padding)."""
+    sums, sq = [], []
+    for p in packs:
+        a = np.asarray(p, dtype=np.float64)
+        sums.append(a.sum())
+        sq.append((a * a).sum())
+    if not sums:
+        return []
+    out = ctx.cost_model.ring_time_from_sums(np.asarray(sums), np.asarray(sq), np.ones(len(sums)),
+                                             layers=ctx.layers)
+    return [float(x) for x in np.atleast_1d(out)]

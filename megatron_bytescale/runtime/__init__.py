@@ -1,0 +1,66 @@
+"""The HDP runtime: one HDP group, dynamic rings on it, ring attention, plan materialisation.
+
+Imports torch and the planner, never megatron. Nothing happens at import time: no process
+group is touched until an :class:`HDPGroup` is created.
+"""
+
+from .backends import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    MathBackend,
+    Segments,
+    TorchBackend,
+    get_backend,
+)
+from .counters import CommCounters, MicroBatchCommStats, StepCommStats
+from .hdp_group import HDPGroup, Ring
+from .layout import (
+    PAD_TOKEN_ID,
+    AttentionLayout,
+    MicroBatchTensors,
+    SequenceSlot,
+    build_micro_batch,
+    iter_micro_batches,
+    layout_for,
+    make_attention_layout,
+)
+from .online_softmax import merge_partial_attention
+from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens
+from .ring_attention import (
+    ring_attention,
+    ring_attention_backward,
+    ring_attention_forward,
+    verify_ring_layout,
+)
+from .ring_comm import RingComm
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionLayout",
+    "BACKEND_NAMES",
+    "CommCounters",
+    "HDPGroup",
+    "MathBackend",
+    "MicroBatchCommStats",
+    "MicroBatchTensors",
+    "PAD_TOKEN_ID",
+    "Ring",
+    "RingComm",
+    "Segments",
+    "SequenceSlot",
+    "StepCommStats",
+    "TorchBackend",
+    "build_micro_batch",
+    "get_backend",
+    "iter_micro_batches",
+    "layout_for",
+    "make_attention_layout",
+    "merge_partial_attention",
+    "plan_p2p_bytes",
+    "ring_attention",
+    "ring_attention_backward",
+    "ring_attention_forward",
+    "ring_attention_p2p_bytes",
+    "ring_local_tokens",
+    "verify_ring_layout",
+]

@@ -1,0 +1,123 @@
+"""Transformer Engine fused attention (cuDNN, GPU, fp16/bf16), imported lazily. Optional.
+
+Uses TE's low-level ``fused_attn_fwd``/``fused_attn_bwd`` (TE >= 2.0) with the ``thd_thd_thd``
+layout and the F16 arbitrary-seqlen cuDNN backend - the same calls TE's own context-parallel
+code makes per ring step. cuDNN returns the softmax statistics either packed ``[T, N, 1]``
+(cuDNN >= 9.6 with THD) or padded ``[B, N, max_q, 1]``; both are converted to and from our
+``lse [T, N]`` here and nowhere else.
+
+Not exercised by the CPU test-suite (TE needs CUDA); tests skip it with a reason. Prefer
+``flash_attn`` where both are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import AttentionBackend, Segments
+
+_HINT = (
+    "attention backend 'te' needs transformer-engine[pytorch]>=2.0 on a CUDA device "
+    "(pip install --no-build-isolation 'transformer-engine[pytorch]'), or use backend='flash_attn' "
+    "or backend='torch'"
+)
+
+
+class TEBackend(AttentionBackend):
+    """One TE fused-attention call per block (all segments at once, THD layout)."""
+
+    name = "te"
+
+    def __init__(self) -> None:
+        try:
+            te = importlib.import_module("transformer_engine")
+            self._ext = importlib.import_module(
+                "transformer_engine.pytorch.cpp_extensions.fused_attn"
+            )
+            self._tex = importlib.import_module("transformer_engine_torch")
+            self._te_dtype = importlib.import_module(
+                "transformer_engine.pytorch.constants"
+            ).TE_DType
+        except (ImportError, RuntimeError) as exc:  # TE's empty meta-package raises RuntimeError
+            raise ImportError(_HINT) from exc
+        if int(str(te.__version__).split(".")[0]) < 2:
+            raise ImportError(f"{_HINT}; found transformer-engine {te.__version__}")
+        self._fused_backend = self._tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+    # ------------------------------------------------------------------ lse format
+    @staticmethod
+    def _stats_to_lse(stats: torch.Tensor, segments: Segments) -> torch.Tensor:
+        total = segments.cu_q[-1]
+        if stats.dim() == 3 and stats.shape[0] == total:  # packed [T, N, 1]
+            return stats[..., 0].float()
+        lse = stats.new_empty((total, stats.shape[1]), dtype=torch.float32)  # padded [B, N, S, 1]
+        for i, (qa, qb, _, _) in enumerate(segments):
+            lse[qa:qb] = stats[i, :, : qb - qa, 0].transpose(0, 1)
+        return lse
+
+    @staticmethod
+    def _lse_to_stats(lse: torch.Tensor, segments: Segments, packed: bool) -> torch.Tensor:
+        if packed:
+            return lse.unsqueeze(-1).contiguous()
+        stats = lse.new_zeros((segments.num, lse.shape[1], segments.max_q, 1))
+        for i, (qa, qb, _, _) in enumerate(segments):
+            stats[i, :, : qb - qa, 0] = lse[qa:qb].transpose(0, 1)
+        return stats
+
+    def _mask(self, causal: bool) -> str:
+        return "padding_causal" if causal else "padding"
+
+    # ------------------------------------------------------------------ interface
+    def forward(self, q, k, v, segments: Segments, *, causal: bool, scale: float):
+        cu_q, cu_k = segments.tensors(q.device)
+        out, aux = self._ext.fused_attn_fwd(
+            True,
+            segments.max_q,
+            segments.max_k,
+            cu_q,
+            cu_k,
+            q,
+            k,
+            v,
+            q.dtype,
+            self._fused_backend,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="thd_thd_thd",
+            attn_bias_type="no_bias",
+            attn_mask_type=self._mask(causal),
+        )
+        stats = aux[0]
+        self._packed = stats.dim() == 3 and stats.shape[0] == segments.cu_q[-1]
+        return out, self._stats_to_lse(stats, segments)
+
+    def backward(self, dout, q, k, v, out, lse, segments: Segments, *, causal: bool, scale: float):
+        cu_q, cu_k = segments.tensors(q.device)
+        stats = self._lse_to_stats(lse, segments, getattr(self, "_packed", True))
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
+        grads = self._ext.fused_attn_bwd(
+            segments.max_q,
+            segments.max_k,
+            cu_q,
+            cu_k,
+            q,
+            k,
+            v,
+            out.contiguous(),
+            dout.contiguous(),
+            q.dtype,
+            self._te_dtype[q.dtype],
+            [stats, rng_state],
+            self._fused_backend,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="thd_thd_thd",
+            attn_bias_type="no_bias",
+            attn_mask_type=self._mask(causal),
+        )
+        return grads[0], grads[1], grads[2]

@@ -1,0 +1,174 @@
+"""The HDP group and ring descriptors (DESIGN.md D1, D2).
+
+All HDP ranks share ONE process group. A ring is not a process group: it is an ordered tuple of
+HDP ranks that exchange data through batched point-to-point operations on that one group
+(:mod:`.ring_comm`). Creating a ring therefore costs nothing and never touches the
+communicator, which is what lets ByteScale build a different ring for every micro-batch
+without the memory and latency cost of dynamic NCCL communicators (paper.md §3.4).
+
+HDP ranks are ranks *inside* the HDP group; the global (world) rank of a peer is looked up in
+one place, :meth:`HDPGroup.global_rank`, because ``torch.distributed`` P2P calls address peers
+by global rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """An ordered ring of HDP ranks as seen by one of its members.
+
+    ``members`` are HDP ranks in ring order; ``position`` is the index of the rank holding
+    this descriptor. Data flows from ``members[i]`` to ``members[i + 1]`` (wrapping around).
+    A ring of size 1 is a local micro-batch that never communicates.
+    """
+
+    members: tuple[int, ...]
+    position: int
+
+    def __post_init__(self) -> None:
+        members = tuple(int(m) for m in self.members)
+        object.__setattr__(self, "members", members)
+        if not members:
+            raise ValueError("a ring needs at least one member, got an empty ring")
+        if len(set(members)) != len(members):
+            raise ValueError(f"ring members {list(members)} must be distinct")
+        if any(m < 0 for m in members):
+            raise ValueError(f"ring members {list(members)} must be non-negative HDP ranks")
+        if not 0 <= self.position < len(members):
+            raise ValueError(
+                f"ring position {self.position} is outside [0, {len(members)}) "
+                f"for ring {list(members)}"
+            )
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        """The HDP rank of the member holding this descriptor."""
+        return self.members[self.position]
+
+    @property
+    def next_rank(self) -> int:
+        """HDP rank this member sends to."""
+        return self.members[(self.position + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        """HDP rank this member receives from."""
+        return self.members[(self.position - 1) % self.size]
+
+    @property
+    def is_local(self) -> bool:
+        """True for a ring of size 1: no communication at all."""
+        return self.size == 1
+
+
+class HDPGroup:
+    """The one process group spanning all HDP ranks, and the factory of rings on it.
+
+    Args:
+        group: the HDP process group (Megatron's data-parallel group, D1); ``None`` means
+            the default (WORLD) group. ``torch.distributed`` must already be initialised.
+
+    The global ranks of the group are read once here, so creating rings and sending to peers
+    never queries or creates process groups (D2).
+
+    Construct it on every HDP rank at the same point: on NCCL it runs one tiny all-reduce so
+    that the group's communicator exists before the first ring sends. (NCCL creates
+    communicators lazily; ``batch_isend_irecv`` as the group's first operation would need every
+    rank of the group to take part, while a ring involves only its members.)
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "HDPGroup needs an initialised torch.distributed process group; call "
+                "torch.distributed.init_process_group(...) first"
+            )
+        self._group = group if group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+        if self._rank < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the HDP group"
+            )
+        self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
+        if len(self._global_ranks) != self._size:
+            raise RuntimeError(
+                f"HDP group reports size {self._size} but {len(self._global_ranks)} global ranks"
+            )
+        if dist.get_backend(self._group) == "nccl":
+            warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(warm, group=self._group)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the HDP group."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def global_rank(self, hdp_rank: int) -> int:
+        """The global (world) rank of HDP rank ``hdp_rank``: the one place ranks are mapped."""
+        if not 0 <= hdp_rank < self._size:
+            raise ValueError(f"HDP rank {hdp_rank} is outside the HDP group [0, {self._size})")
+        return self._global_ranks[hdp_rank]
+
+    def ring(self, members: Sequence[int]) -> Ring:
+        """The ring descriptor of ``members`` (HDP ranks, in ring order) for this rank.
+
+        Raises ValueError when members repeat, fall outside the group, or do not include this
+        rank. Never creates a process group.
+        """
+        members_t = tuple(int(m) for m in members)
+        if not members_t:
+            raise ValueError("ring members must not be empty")
+        if len(set(members_t)) != len(members_t):
+            raise ValueError(f"ring members {list(members_t)} must be distinct")
+        outside = [m for m in members_t if not 0 <= m < self._size]
+        if outside:
+            raise ValueError(
+                f"ring members {outside} of ring {list(members_t)} are outside the HDP group "
+                f"[0, {self._size})"
+            )
+        if self._rank not in members_t:
+            raise ValueError(
+                f"HDP rank {self._rank} is not a member of ring {list(members_t)}; only members "
+                f"may build (and run) a ring"
+            )
+        return Ring(members_t, members_t.index(self._rank))
+
+    def check_ring(self, ring: Ring) -> None:
+        """Raise ValueError unless ``ring`` was built for this rank of this group."""
+        outside = [m for m in ring.members if m >= self._size]
+        if outside:
+            raise ValueError(
+                f"ring {list(ring.members)} names HDP ranks {outside} outside the HDP group "
+                f"[0, {self._size})"
+            )
+        if ring.rank != self._rank:
+            raise ValueError(
+                f"ring {list(ring.members)} at position {ring.position} belongs to HDP rank "
+                f"{ring.rank}, but this process is HDP rank {self._rank}"
+            )
+
+    def __repr__(self) -> str:
+        return f"HDPGroup(rank={self._rank}, size={self._size})"

@@ -1,0 +1,367 @@
+"""Attention layouts and micro-batch materialisation: a plan's micro-batch as local tensors.
+
+A micro-batch on a rank is one ring plus the sequences it carries (D4). The local buffer holds,
+for every sequence in the plan's ``seqs`` order, one *slot*:
+
+- ring of size 1: the whole sequence, unpadded (``num_local == length``);
+- ring of size N > 1: zigzag part i then part 2N-1-i of the sequence (i = ring position),
+  each padded to ``chunk = zigzag_chunk(length, N, align)`` (``num_local == 2 * chunk``).
+
+Padding sits at the end of the sequence (planner/zigzag.py), so a slot's real tokens are always
+a *prefix* of the slot: if part 2N-1-i holds any real token, part i is full. Ring attention
+relies on this to skip padding without masks.
+
+Every member of a ring computes the same slots (same seqs, lengths, N, align), so the buffer
+length and slot offsets agree across the ring - receive buffers can be pre-sized locally.
+
+:func:`build_micro_batch` turns this rank's ``index``-th micro-batch of a :class:`StepPlan`
+into token, label, loss-mask and position tensors in that buffer order. Labels are the next
+token of the ORIGINAL sequence (so a rank holding zigzag parts still predicts across part
+boundaries), positions are positions in the original sequence (for RoPE, D3), and padding
+(token id 0) and the last token of every sequence carry loss mask 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from ..planner.plan import MicroBatch, StepPlan
+from ..planner.zigzag import zigzag_chunk, zigzag_share
+from .hdp_group import HDPGroup, Ring
+
+PAD_TOKEN_ID = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceSlot:
+    """One sequence's tokens in a rank's local buffer.
+
+    Attributes:
+        seq: sequence id.
+        length: real tokens of the whole sequence.
+        chunk: padded size of each zigzag part (``length`` on a ring of size 1).
+        offset: first row of the slot in the local buffer.
+        num_local: rows of the slot, padding included.
+        parts: global (padded) positions ``[start, end)`` of the local parts, in local order:
+            ``((i*chunk, (i+1)*chunk), ((2N-1-i)*chunk, (2N-i)*chunk))``, or ``((0, length),)``.
+        num_real: real tokens in the slot (always the first ``num_real`` rows).
+        real_by_position: ``num_real`` of every ring position (identical on all members).
+    """
+
+    seq: int
+    length: int
+    chunk: int
+    offset: int
+    num_local: int
+    parts: tuple[tuple[int, int], ...]
+    num_real: int
+    real_by_position: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_local
+
+
+def real_tokens_at(length: int, ring_size: int, position: int, chunk: int) -> int:
+    """Real tokens that ring ``position`` holds of a sequence cut into parts of ``chunk``."""
+    if ring_size == 1:
+        return length
+    total = 0
+    for part in (position, 2 * ring_size - 1 - position):
+        total += min(max(length - part * chunk, 0), chunk)
+    return total
+
+
+def make_slot(
+    *, seq: int, length: int, ring_size: int, position: int, align: int, offset: int
+) -> SequenceSlot:
+    """The slot of sequence ``seq`` for ring ``position`` starting at row ``offset``."""
+    if length < 1:
+        raise ValueError(f"sequence {seq}: length {length} must be >= 1")
+    if ring_size == 1:
+        return SequenceSlot(
+            seq=seq,
+            length=length,
+            chunk=length,
+            offset=offset,
+            num_local=length,
+            parts=((0, length),),
+            num_real=length,
+            real_by_position=(length,),
+        )
+    chunk = zigzag_chunk(length, ring_size, align)
+    first, second = position, 2 * ring_size - 1 - position
+    real = tuple(real_tokens_at(length, ring_size, p, chunk) for p in range(ring_size))
+    return SequenceSlot(
+        seq=seq,
+        length=length,
+        chunk=chunk,
+        offset=offset,
+        num_local=2 * chunk,
+        parts=((first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)),
+        num_real=real[position],
+        real_by_position=real,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionLayout:
+    """The local buffer of one micro-batch on one ring member.
+
+    ``num_tokens`` rows (padding included); ``slots`` in buffer order; ``cu_seqlens`` (int32,
+    CPU) are the slot boundaries ``[0, end_0, end_1, ...]`` for varlen kernels. Build it with
+    :func:`make_attention_layout` or from a plan with :func:`layout_for`.
+    """
+
+    ring: Ring
+    slots: tuple[SequenceSlot, ...]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise ValueError("an attention layout needs at least one sequence")
+        pos = 0
+        for slot in self.slots:
+            if slot.offset != pos:
+                raise ValueError(
+                    f"sequence {slot.seq}: slot starts at row {slot.offset}, expected {pos}"
+                )
+            if len(slot.real_by_position) != self.ring.size:
+                raise ValueError(
+                    f"sequence {slot.seq}: slot describes {len(slot.real_by_position)} "
+                    f"ring positions, "
+                    f"the ring has {self.ring.size}"
+                )
+            pos = slot.end
+        if pos != self.num_tokens:
+            raise ValueError(f"slots cover {pos} rows but num_tokens is {self.num_tokens}")
+
+    @cached_property
+    def cu_seqlens_list(self) -> tuple[int, ...]:
+        return (0, *(slot.end for slot in self.slots))
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Slot boundaries in the local buffer, int32 on CPU."""
+        return torch.tensor(self.cu_seqlens_list, dtype=torch.int32)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(slot.num_local for slot in self.slots)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(slot.num_real for slot in self.slots)
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return tuple(slot.seq for slot in self.slots)
+
+    def real_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Bool ``[num_tokens]``: True for real tokens, False for padding."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for slot in self.slots:
+            mask[slot.offset : slot.offset + slot.num_real] = True
+        return mask.to(device) if device is not None else mask
+
+    def global_positions(self) -> torch.Tensor:
+        """Long ``[num_tokens]``: position of every row in its (padded) original sequence."""
+        pieces = [
+            torch.arange(a, b, dtype=torch.long) for slot in self.slots for a, b in slot.parts
+        ]
+        return torch.cat(pieces)
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """Integers every ring member must agree on (used by the neighbour check)."""
+        items = [self.num_tokens, self.ring.size, len(self.slots)]
+        items += list(self.ring.members)
+        for slot in self.slots:
+            items += [slot.seq, slot.length, slot.chunk]
+        return tuple(items)
+
+
+def make_attention_layout(
+    ring: Ring, sequences: Iterable[tuple[int, int]], *, align: int = 1
+) -> AttentionLayout:
+    """The layout of ``sequences`` (``(seq_id, length)`` in buffer order) on ``ring``."""
+    slots: list[SequenceSlot] = []
+    offset = 0
+    seen: set[int] = set()
+    for seq, length in sequences:
+        if seq in seen:
+            raise ValueError(f"sequence {seq} appears twice in one micro-batch")
+        seen.add(seq)
+        slot = make_slot(
+            seq=int(seq),
+            length=int(length),
+            ring_size=ring.size,
+            position=ring.position,
+            align=align,
+            offset=offset,
+        )
+        slots.append(slot)
+        offset = slot.end
+    return AttentionLayout(ring=ring, slots=tuple(slots), num_tokens=offset)
+
+
+# ---------------------------------------------------------------------- materialisation
+@dataclass(kw_only=True)
+class MicroBatchTensors:
+    """One micro-batch of one rank, ready for the model (all tensors ``[num_tokens]``).
+
+    Attributes:
+        tokens: token ids (padding: 0).
+        labels: next token of the original sequence (0 where there is none).
+        loss_mask: 1.0 where the label is a real next token, else 0.0.
+        position_ids: position in the original sequence (padding: 0).
+        layout: where every sequence sits in the buffer (for ring attention).
+        order: the plan's global order number of this ring micro-batch (D5).
+        offload_ratio: the plan's activation offload ratio for this micro-batch (D8).
+        num_loss_tokens: ``loss_mask.sum()`` as an int (token-level loss, D6).
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    layout: AttentionLayout
+    order: int
+    offload_ratio: float
+    num_loss_tokens: int
+
+
+def _resolve_rank(plan: StepPlan, hdp: HDPGroup | int) -> tuple[int, HDPGroup | None]:
+    if isinstance(hdp, HDPGroup):
+        if hdp.size != plan.hdp_size:
+            raise ValueError(
+                f"plan is for {plan.hdp_size} HDP ranks but the HDP group has {hdp.size}"
+            )
+        return hdp.rank, hdp
+    rank = int(hdp)
+    if not 0 <= rank < plan.hdp_size:
+        raise ValueError(f"rank {rank} is outside the plan's HDP ranks [0, {plan.hdp_size})")
+    return rank, None
+
+
+def _micro_batch(plan: StepPlan, rank: int, index: int) -> MicroBatch:
+    mbs = _plan_rank(plan, rank).micro_batches
+    if not 0 <= index < len(mbs):
+        raise IndexError(
+            f"rank {rank} has {len(mbs)} micro-batches in this plan; index {index} is out of range"
+        )
+    return mbs[index]
+
+
+def layout_for(plan: StepPlan, hdp: HDPGroup | int, index: int) -> AttentionLayout:
+    """The attention layout of this rank's ``index``-th micro-batch (checks its pieces)."""
+    rank, group = _resolve_rank(plan, hdp)
+    mb = _micro_batch(plan, rank, index)
+    if rank not in mb.ring:
+        raise ValueError(
+            f"rank {rank} micro-batch {index} (order {mb.order}): not a member of its "
+            f"ring {list(mb.ring)}"
+        )
+    ring = group.ring(mb.ring) if group is not None else Ring(mb.ring, mb.ring.index(rank))
+    lengths = plan.sequence_lengths()
+    missing = [s for s in mb.seqs if s not in lengths]
+    if missing:
+        raise ValueError(
+            f"rank {rank} micro-batch {index} (order {mb.order}): unknown sequences {missing}"
+        )
+    layout = make_attention_layout(ring, ((s, lengths[s]) for s in mb.seqs), align=plan.align)
+    expected = [
+        (s, a, b)
+        for s in mb.seqs
+        for a, b in zigzag_share(lengths[s], ring.size, ring.position, plan.align)
+    ]
+    got = [(p.seq, p.start, p.end) for p in mb.pieces]
+    if got != expected:
+        raise ValueError(
+            f"rank {rank} micro-batch {index} (order {mb.order}): pieces {got} are not the zigzag "
+            f"share {expected} of ring position {ring.position}; the plan is invalid "
+            f"(run plan.validate())"
+        )
+    return layout
+
+
+def _as_long_tensor(seq: int, tokens: torch.Tensor | np.ndarray, length: int) -> torch.Tensor:
+    t = torch.as_tensor(tokens)
+    if t.dim() != 1:
+        raise ValueError(f"sequence {seq}: tokens must be 1-D, got shape {tuple(t.shape)}")
+    if t.numel() != length:
+        raise ValueError(
+            f"sequence {seq}: got {t.numel()} tokens but the plan says length {length}"
+        )
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"sequence {seq}: token ids must be integers, got {t.dtype}")
+    return t.to(device="cpu", dtype=torch.long)
+
+
+def build_micro_batch(
+    plan: StepPlan,
+    hdp: HDPGroup | int,
+    index: int,
+    tokens_by_seq: Mapping[int, torch.Tensor | np.ndarray],
+    *,
+    device: torch.device | str | None = None,
+) -> MicroBatchTensors:
+    """Materialise this rank's ``index``-th micro-batch of ``plan``.
+
+    Args:
+        plan: the step plan (assumed valid; this micro-batch's pieces are re-checked).
+        hdp: the HDP group, or a plain HDP rank (for tests and tools without processes).
+        index: position in this rank's micro-batch list (the plan's run order).
+        tokens_by_seq: every sequence of the micro-batch as a 1-D integer array of its length.
+        device: where the tensors go (default CPU).
+    """
+    layout = layout_for(plan, hdp, index)
+    mb = _micro_batch(plan, _resolve_rank(plan, hdp)[0], index)
+    toks, labs, masks, poss = [], [], [], []
+    for slot in layout.slots:
+        if slot.seq not in tokens_by_seq:
+            raise ValueError(f"tokens_by_seq has no tokens for sequence {slot.seq}")
+        seq_tokens = _as_long_tensor(slot.seq, tokens_by_seq[slot.seq], slot.length)
+        g = torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in slot.parts])
+        real = g < slot.length
+        has_next = g + 1 < slot.length
+        last = slot.length - 1
+        toks.append(torch.where(real, seq_tokens[g.clamp(max=last)], PAD_TOKEN_ID))
+        labs.append(torch.where(has_next, seq_tokens[(g + 1).clamp(max=last)], PAD_TOKEN_ID))
+        masks.append(has_next.to(torch.float32))
+        poss.append(torch.where(real, g, 0))
+    loss_mask = torch.cat(masks)
+    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    return MicroBatchTensors(
+        tokens=move(torch.cat(toks)),
+        labels=move(torch.cat(labs)),
+        loss_mask=move(loss_mask),
+        position_ids=move(torch.cat(poss)),
+        layout=layout,
+        order=mb.order,
+        offload_ratio=mb.offload_ratio,
+        num_loss_tokens=int(loss_mask.sum().item()),
+    )
+
+
+def iter_micro_batches(
+    plan: StepPlan,
+    hdp: HDPGroup | int,
+    tokens_by_seq: Mapping[int, torch.Tensor | np.ndarray],
+    *,
+    device: torch.device | str | None = None,
+) -> Iterator[MicroBatchTensors]:
+    """This rank's micro-batches of ``plan`` in run order (increasing ``order``, D5)."""
+    rank, _ = _resolve_rank(plan, hdp)
+    for index in range(len(_plan_rank(plan, rank).micro_batches)):
+        yield build_micro_batch(plan, hdp, index, tokens_by_seq, device=device)
+
+
+def _plan_rank(plan: StepPlan, rank: int):
+    if len(plan.ranks) != plan.hdp_size or plan.ranks[rank].rank != rank:
+        raise ValueError(f"plan has no entry for rank {rank} (malformed plan; run plan.validate())")
+    return plan.ranks[rank]

@@ -1,0 +1,180 @@
+"""Make megatron-core run on a CPU-only machine (gloo), for tests and the CPU demo only.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
+
+* ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffer on
+  ``torch.cuda.current_device()`` (used by the local ``DotProductAttention``);
+* the model-parallel RNG tracker (``get_cuda_rng_tracker().fork()`` around every attention
+  dropout, even at p = 0) stores and restores *CUDA* generator states;
+* the schedules, P2P communication and DDP create tensors with the literal ``device="cuda"``,
+  call ``torch.cuda.current_device()``, ``torch.cuda.synchronize()`` and (0.19.x)
+  ``torch.cuda.current_stream()``.
+
+:func:`enable_cpu_megatron` redirects all of these to the CPU: the memory buffer allocates on
+the CPU, the "CUDA" RNG states are CPU generator states, the ``torch.cuda`` calls become
+harmless stand-ins, and a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA device
+argument (``"cuda"``, ``"cuda:0"``, an int, ``torch.device("cuda")``) to ``"cpu"``, because a
+string literal inside megatron cannot be monkeypatched. The mode costs about 1 ms on a 30 ms
+step of a tiny model.
+
+This is a stand-in for hardware the machine lacks, never a production path: it refuses to run
+when CUDA is available (real GPUs must use the real code), and it is not imported by the
+plugin's library modules. Other CPU limits it does not lift, and that callers must respect:
+build models with ``use_cpu_initialization=True``, use ``OptimizerConfig(clip_grad=0.0)``
+(gradient clipping asserts CUDA tensors), and do not use the distributed optimizer (it
+rejects CPU tensors). See ``/work/shared/reference/cpu_feasibility.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from functools import reduce
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_ENABLED = False
+_MODE: "_CudaDeviceToCpu | None" = None
+
+
+class CpuCompatError(RuntimeError):
+    """The CPU stand-ins were requested on a machine where they must not be used."""
+
+
+def cpu_megatron_enabled() -> bool:
+    """Whether :func:`enable_cpu_megatron` has run in this process."""
+    return _ENABLED
+
+
+def enable_cpu_megatron(*, allow_with_cuda: bool = False) -> None:
+    """Install the CPU stand-ins for megatron-core's CUDA calls in this process (idempotent).
+
+    Call it in every rank, after ``import megatron.core`` is possible and before building the
+    model or calling a schedule. Calling it again is a no-op.
+
+    Args:
+        allow_with_cuda: only for unit tests that check the stand-ins themselves; a machine
+            with a GPU must run megatron's real CUDA code, so by default this refuses.
+
+    Raises:
+        CpuCompatError: CUDA is available (and ``allow_with_cuda`` is False).
+    """
+    global _ENABLED, _MODE
+    with _LOCK:
+        if not _ENABLED and torch.cuda.is_available() and not allow_with_cuda:
+            raise CpuCompatError(
+                "megatron_bytescale.testing.cpu_compat replaces megatron-core's CUDA calls with "
+                "CPU stand-ins, but CUDA is available here "
+                f"({torch.cuda.device_count()} device(s)); run megatron's real CUDA path on a GPU "
+                "machine instead of enabling the CPU shim"
+            )
+        if _ENABLED:
+            return
+        _patch_memory_buffer()
+        _patch_rng_tracker()
+        _patch_torch_cuda_calls()
+        _MODE = _CudaDeviceToCpu()
+        _MODE.__enter__()
+        _ENABLED = True
+        logger.info("megatron-core CPU stand-ins enabled (tests and CPU demo only)")
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def _patch_memory_buffer() -> None:
+    from megatron.core import utils as mcore_utils
+
+    def get_tensor_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        """CPU version of GlobalMemoryBuffer.get_tensor: same reuse rule, CPU storage."""
+        required = reduce(operator.mul, tensor_shape, 1)
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required:
+            buffer = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+            self.buffer[(name, dtype)] = buffer
+        return buffer[0:required].view(*tensor_shape)
+
+    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor_on_cpu
+
+
+def _patch_rng_tracker() -> None:
+    """The tracker's "CUDA" generator states become states of the CPU default generator."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+        torch.set_rng_state(new_state)
+
+    def add(self, name: str, seed: int) -> None:
+        """Register RNG state ``name`` seeded with ``seed`` without touching CUDA."""
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    mcore_random._get_cuda_rng_state = get_state
+    mcore_random._set_cuda_rng_state = set_state
+    mcore_random.CudaRNGStatesTracker.add = add
+
+
+class _NoStream:
+    """Stands in for ``torch.cuda.current_stream()``: every synchronisation is a no-op."""
+
+    def wait_event(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+
+def _patch_torch_cuda_calls() -> None:
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *_a, **_k: None
+    torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # megatron passes torch.cuda.current_device() ints as devices
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments of every torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs)
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)

@@ -1,0 +1,168 @@
+"""``bytescale demo``: a small megatron-core GPT on CPU, static DP x CP vs HDP naive vs balance.
+
+The command launches ``python -m torch.distributed.run --standalone --nproc-per-node N`` itself
+(gloo, CPU), waits for the ranks (:mod:`.demo_worker`) to train every mode on the same global
+batches from the same initial weights, then prints the comparison table and writes a plot.
+How to read the output: ``docs/demo.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .demo_settings import BUILTIN_DATASETS, MODES, DemoSettings
+
+DEFAULT_CAPACITY = 512
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_bytescale.integration.config import add_bytescale_args
+
+    parser = argparse.ArgumentParser(
+        prog="bytescale demo",
+        description=(
+            "Train a small megatron-core GPT on CPU ranks (gloo) three ways on identical data and "
+            "initial weights: static DP x CP (Megatron-style packing, one ring over the CP group), "
+            "HDP naive and HDP balance; print per-step loss, tokens/s, P2P bytes and per-rank busy "
+            "time, then a comparison table and a plot."
+        ),
+    )
+    demo = parser.add_argument_group("demo")
+    demo.add_argument(
+        "--data",
+        default="stdlib",
+        help=f"comma-separated datasets: {', '.join(BUILTIN_DATASETS)}, a .jsonl file "
+        "(text field) or a Megatron indexed prefix (default: stdlib)",
+    )
+    demo.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to compare (default: {','.join(MODES)})",
+    )
+    demo.add_argument("--ranks", type=int, default=4, help="CPU processes = HDP ranks (default: 4)")
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=DemoSettings().steps,
+        help="training steps per mode (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--micro-batches-per-rank",
+        type=int,
+        default=DemoSettings().micro_batches_per_rank,
+        help="global batch = ranks x capacity x this many tokens (default: %(default)s)",
+    )
+    defaults = DemoSettings()
+    demo.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    demo.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    demo.add_argument("--num-attention-heads", type=int, default=defaults.num_attention_heads)
+    demo.add_argument(
+        "--num-query-groups", type=int, default=defaults.num_query_groups, help="KV heads (GQA)"
+    )
+    demo.add_argument("--ffn-hidden-size", type=int, default=defaults.ffn_hidden_size)
+    demo.add_argument("--lr", type=float, default=defaults.lr)
+    demo.add_argument("--seed", type=int, default=1234)
+    demo.add_argument(
+        "--out",
+        default="out/demo",
+        help="directory for results.json and demo.png (default: %(default)s)",
+    )
+    demo.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    add_bytescale_args(parser)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> DemoSettings:
+    """Demo settings from the parsed command line; ValueError names the bad flag."""
+    from megatron_bytescale.integration.config import ByteScaleConfig
+
+    config = ByteScaleConfig.from_args(args)
+    capacity = config.capacity or DEFAULT_CAPACITY
+    context = config.context_length or args.ranks * capacity
+    return DemoSettings(
+        datasets=tuple(d.strip() for d in args.data.split(",") if d.strip()),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        ranks=args.ranks,
+        steps=args.steps,
+        capacity=capacity,
+        context_length=context,
+        micro_batches_per_rank=args.micro_batches_per_rank,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        lr=args.lr,
+        seed=args.seed,
+        plan_mode=config.plan_mode,
+        offload=config.offload,
+        align=config.align,
+        attention_backend=config.attention_backend,
+        check_plan_hash=config.check_plan_hash,
+        out_dir=str(Path(args.out).resolve()),
+    )
+
+
+def run_demo_job(settings: DemoSettings) -> dict[str, Any]:
+    """Launch the torchrun job for ``settings`` and return its ``results.json``."""
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings_path = out / "settings.json"
+    settings.save(settings_path)
+    results_path = out / "results.json"
+    if results_path.exists():
+        results_path.unlink()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(settings.ranks),
+        "-m", "megatron_bytescale.tools.demo_worker", "--settings", str(settings_path),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    completed = subprocess.run(command, env=env, check=False)
+    if completed.returncode != 0 or not results_path.exists():
+        raise RuntimeError(
+            f"the demo's torchrun job failed (exit code {completed.returncode}); see the rank "
+            "output above"
+        )
+    return json.loads(results_path.read_text(encoding="utf-8"))
+
+
+def print_report(results: dict[str, Any], *, plot: bool, out_dir: Path) -> None:
+    from .demo_report import comparison_rows, settings_line, summarize, text_table, write_plot
+
+    print("\n" + settings_line(results))
+    for name, modes in summarize(results).items():
+        headers, rows = comparison_rows(modes)
+        print(f"\n{name}: {results['datasets'][name]['description']}")
+        print(text_table(headers, rows))
+    print(f"\nresults: {out_dir / 'results.json'}")
+    if plot:
+        path = write_plot(results, out_dir / "demo.png")
+        print(f"plot:    {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    start = time.perf_counter()
+    try:
+        results = run_demo_job(settings)
+    except (RuntimeError, KeyboardInterrupt) as exc:
+        print(f"bytescale demo: {exc}", file=sys.stderr)
+        return 1
+    print_report(results, plot=not args.no_plot, out_dir=Path(settings.out_dir))
+    print(f"total time: {time.perf_counter() - start:.0f} s")
+    return 0

@@ -1,0 +1,126 @@
+"""What one ``bytescale demo`` run does, as plain data shared by the launcher and the workers.
+
+The launcher (``demo_cmd``) parses the command line into :class:`DemoSettings`, writes it as
+JSON next to the results, and starts the torchrun workers (``demo_worker``), which read it
+back. Keeping it plain data means the workers never re-parse the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MODES = ("static", "naive", "balance")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSettings:
+    """One demo run: data, model, HDP settings and where results go."""
+
+    datasets: tuple[str, ...] = ("stdlib",)
+    """Built-in names (see BUILTIN_DATASETS), a .jsonl file, or a Megatron indexed prefix."""
+    modes: tuple[str, ...] = MODES
+    ranks: int = 4
+    steps: int = 12
+    capacity: int = 512
+    """Tokens per HDP rank per micro-batch (C)."""
+    context_length: int = 2048
+    """Longest sequence; the static baseline's CP size is context_length / capacity."""
+    micro_batches_per_rank: int = 4
+    """Global batch = ranks * capacity * this many tokens."""
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 512
+    lr: float = 3e-3
+    seed: int = 1234
+    plan_mode: str = "every_rank"
+    offload: bool = False
+    align: int = 1
+    attention_backend: str = "auto"
+    check_plan_hash: bool = True
+    calibration_lengths: tuple[int, ...] = ()
+    """Empty: C/8, C/4, C/2, C, 2C and 4C (up to the context length): the quadratic term
+    is only measurable at the long lengths the rings carry."""
+    out_dir: str = "out/demo"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "ranks",
+            "steps",
+            "capacity",
+            "context_length",
+            "micro_batches_per_rank",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 1")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(
+                f"--modes {','.join(self.modes)}: each mode must be one of {', '.join(MODES)}"
+            )
+        if self.context_length > self.ranks * self.capacity:
+            raise ValueError(
+                f"--bytescale-context-length ({self.context_length}) must be at most ranks x "
+                f"capacity = {self.ranks * self.capacity}: the longest sequence has to fit on all "
+                "ranks together"
+            )
+        if self.context_length % self.capacity:
+            raise ValueError(
+                f"--bytescale-context-length ({self.context_length}) must be a multiple of "
+                f"--bytescale-capacity ({self.capacity}) so the static baseline has a whole CP size"
+            )
+        if (
+            self.hidden_size % self.num_attention_heads
+            or self.num_attention_heads % self.num_query_groups
+        ):
+            raise ValueError(
+                "--hidden-size must divide by --heads and --heads by --kv-heads "
+                f"(got {self.hidden_size}, {self.num_attention_heads}, {self.num_query_groups})"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.ranks * self.capacity * self.micro_batches_per_rank
+
+    @property
+    def static_cp_size(self) -> int:
+        return self.context_length // self.capacity
+
+    @property
+    def effective_calibration_lengths(self) -> tuple[int, ...]:
+        if self.calibration_lengths:
+            return tuple(self.calibration_lengths)
+        c = self.capacity
+        lengths = {max(8, c // 8), max(16, c // 4), max(32, c // 2), c}
+        lengths |= {n for n in (2 * c, 4 * c) if n <= self.context_length}
+        return tuple(sorted(lengths))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DemoSettings":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        values = {
+            k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known
+        }
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DemoSettings":
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))

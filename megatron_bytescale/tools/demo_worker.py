@@ -1,0 +1,273 @@
+"""One rank of ``bytescale demo`` (started by torchrun; see :mod:`.demo_cmd`).
+
+Every rank: joins the gloo group, installs the CPU stand-ins for megatron's CUDA calls,
+initialises Megatron for HDP (CP = 1, DP = ranks), builds the same global batches, and trains
+a small megatron-core GPT on them once per mode (static DP x CP, HDP naive, HDP balance) from
+the same initial weights. HDP rank 0 calibrates the planner's cost model on this model and
+broadcasts it. After every step the ranks' records are gathered on rank 0, which prints one
+line per step and a progress bar, and at the end writes ``results.json`` for the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .demo_data import demo_global_batches, vocab_size_of
+from .demo_settings import DemoSettings
+
+logger = logging.getLogger(__name__)
+
+MODE_LABELS = {"static": "static DPxCP", "naive": "HDP naive", "balance": "HDP balance"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bytescale-demo-worker")
+    parser.add_argument(
+        "--settings", required=True, help="DemoSettings JSON written by bytescale demo"
+    )
+    args = parser.parse_args(argv)
+    settings = DemoSettings.load(args.settings)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    try:
+        results = run_demo(settings)
+        if dist.get_rank() == 0:
+            path = Path(settings.out_dir) / "results.json"
+            path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def run_demo(settings: DemoSettings) -> dict[str, Any]:
+    """Train every dataset x mode; return (on rank 0) everything the report needs."""
+    from megatron.core import tensor_parallel
+
+    from megatron_bytescale.integration.calibration import calibrate_cost_model
+    from megatron_bytescale.integration.config import ByteScaleConfig
+    from megatron_bytescale.integration.groups import initialize_hdp_model_parallel
+    from megatron_bytescale.integration.training import build_gpt_model, make_transformer_config
+    from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
+
+    if torch.cuda.is_available():
+        raise SystemExit(
+            "bytescale demo is the CPU demo (gloo, CPU stand-ins); this machine has CUDA"
+        )
+    enable_cpu_megatron()
+    rank = dist.get_rank()
+    config = ByteScaleConfig(
+        hdp=True, capacity=settings.capacity, context_length=settings.context_length,
+        offload=settings.offload, plan_mode=settings.plan_mode, align=settings.align,
+        attention_backend=settings.attention_backend, check_plan_hash=settings.check_plan_hash,
+    )  # fmt: skip
+    manager = initialize_hdp_model_parallel(attention_backend=config.ring_attention_backend)
+    datasets = []
+    for name in settings.datasets:
+        batches, description = demo_global_batches(name, settings)
+        datasets.append((name, batches, description))
+    vocab_size = max(vocab_size_of(b) for _, b, _ in datasets)
+
+    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    model_config = make_transformer_config(
+        num_layers=settings.num_layers, hidden_size=settings.hidden_size,
+        num_attention_heads=settings.num_attention_heads,
+        num_query_groups=settings.num_query_groups, ffn_hidden_size=settings.ffn_hidden_size,
+    )  # fmt: skip
+    first = build_gpt_model(
+        model_config, vocab_size=vocab_size, max_sequence_length=settings.context_length
+    )
+    initial_state = {
+        k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.state_dict().items()
+    }
+    head_dim = settings.hidden_size // settings.num_attention_heads
+    calibration = calibrate_cost_model(
+        first, manager, lengths=settings.effective_calibration_lengths,
+        kv_bytes_per_token=2 * settings.num_query_groups * head_dim * 4, vocab_size=vocab_size,
+    )  # fmt: skip
+    del first
+
+    printer = StepPrinter(
+        enabled=rank == 0, total=len(datasets) * len(settings.modes) * settings.steps
+    )
+    printer.header(settings, calibration, manager.size)
+    results: dict[str, Any] = {
+        "settings": json.loads(settings.to_json()),
+        "world_size": dist.get_world_size(),
+        "vocab_size": vocab_size,
+        "calibration": {
+            "cost_model": calibration.cost_model.to_dict(),
+            "time_samples": calibration.time_samples,
+            "p2p_bandwidth": calibration.p2p_bandwidth,
+            "p2p_latency_s": calibration.p2p_latency_s,
+        },
+        "datasets": {},
+    }
+    for name, batches, description in datasets:
+        modes = {}
+        for mode in settings.modes:
+            modes[mode] = train_mode(
+                mode, name, batches, settings=settings, config=config, manager=manager,
+                model_config=model_config, initial_state=initial_state, vocab_size=vocab_size,
+                cost_model=calibration.cost_model, printer=printer,
+            )  # fmt: skip
+        results["datasets"][name] = {"description": description, "modes": modes}
+    printer.finish()
+    return results
+
+
+def train_mode(
+    mode: str,
+    dataset: str,
+    batches: list,
+    *,
+    settings: DemoSettings,
+    config: Any,
+    manager: Any,
+    model_config: Any,
+    initial_state: dict,
+    vocab_size: int,
+    cost_model: Any,
+    printer: "StepPrinter",
+) -> dict[str, Any]:
+    """Train ``settings.steps`` steps of one mode from the shared initial weights."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.schedule import run_hdp_step
+    from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
+    from megatron_bytescale.runtime import CommCounters
+
+    model = build_gpt_model(
+        model_config, vocab_size=vocab_size, max_sequence_length=settings.context_length
+    )
+    model.load_state_dict(initial_state)
+    ddp, optimizer = wrap_for_hdp(model, lr=settings.lr)
+    planner = make_step_planner(
+        config, hdp_size=manager.size, cost_model=cost_model, scheduler=mode
+    )
+    iterator = HDPDataIterator(
+        batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
+        check_plan_hash=config.check_plan_hash,
+    )  # fmt: skip
+    counters = CommCounters()
+    rows = []
+    for _ in range(settings.steps):
+        plan_start = time.perf_counter()
+        step = next(iterator)
+        plan_s = time.perf_counter() - plan_start
+        record = run_hdp_step(
+            step, model=ddp, optimizer=optimizer, manager=manager, counters=counters
+        )
+        mine = {
+            "busy_s": record.busy_s, "reduce_wall_s": record.reduce_wall_s,
+            "p2p_bytes": record.p2p_bytes, "tokens": record.tokens, "loss_sum": record.loss_sum,
+            "micro_batches": len(record.micro_batches), "started_at": record.started_at,
+            "done_at": record.micro_batches_done_at, "finished_at": record.finished_at,
+            "plan_s": plan_s,
+        }  # fmt: skip
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if printer.enabled:
+            row = step_row(step, gathered)
+            rows.append(row)
+            printer.step(dataset, mode, row)
+    return {"label": MODE_LABELS[mode], "steps": rows}
+
+
+def step_row(step: Any, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step of one mode, over all ranks."""
+    wall = max(r["finished_at"] for r in per_rank) - min(r["started_at"] for r in per_rank)
+    loss_sum = sum(r["loss_sum"] for r in per_rank)
+    estimate = step.plan.estimate
+    return {
+        "step": step.index,
+        "loss": loss_sum / max(1, step.global_loss_tokens),
+        "tokens": step.total_tokens,
+        "loss_tokens": step.global_loss_tokens,
+        "wall_s": wall,
+        "tokens_per_s": step.total_tokens / wall if wall > 0 else 0.0,
+        "p2p_bytes": sum(r["p2p_bytes"] for r in per_rank),
+        "busy_s": [r["busy_s"] for r in per_rank],
+        "reduce_wall_s": [r["reduce_wall_s"] for r in per_rank],
+        "micro_batches": [r["micro_batches"] for r in per_rank],
+        "rank_tokens": [r["tokens"] for r in per_rank],
+        "ring_sizes": dict(sorted(Counter(step.plan.ring_sizes()).items())),
+        "plan_s": max(r["plan_s"] for r in per_rank),
+        "estimated_step_s": estimate.step_time_s if estimate is not None else None,
+    }
+
+
+class StepPrinter:
+    """Rank 0's per-step lines and a progress bar (stderr, only on a terminal)."""
+
+    def __init__(self, *, enabled: bool, total: int) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
+        self.bar = enabled and sys.stderr.isatty()
+
+    def header(self, settings: DemoSettings, calibration: Any, hdp_size: int) -> None:
+        if not self.enabled:
+            return
+        cm = calibration.cost_model
+        print(
+            f"HDP over {hdp_size} CPU ranks (Megatron CP=1, DP={hdp_size}); "
+            f"capacity C={settings.capacity}, "
+            f"context {settings.context_length} (static CP={settings.static_cp_size}), "
+            f"{settings.tokens_per_step} tokens/step\n"
+            f"calibrated cost model (per layer, fwd+bwd): T(s) = {cm.alpha1:.3g} s^2 + "
+            f"{cm.beta1:.3g} s + {cm.gamma:.3g} seconds; "
+            f"P2P {calibration.p2p_bandwidth / 1e6:.0f} MB/s, "
+            f"{calibration.p2p_latency_s * 1e6:.0f} us latency",
+            flush=True,
+        )
+
+    def step(self, dataset: str, mode: str, row: dict[str, Any]) -> None:
+        self.done += 1
+        busy = " ".join(f"{b * 1000:5.0f}" for b in row["busy_s"])
+        rings = ",".join(f"{size}x{count}" for size, count in row["ring_sizes"].items())
+        line = (
+            f"[{self.done:3d}/{self.total}] {dataset:<16} {MODE_LABELS[mode]:<12} "
+            f"step {row['step']:3d} "
+            f"loss {row['loss']:.3f}  {row['tokens_per_s']:7.0f} tok/s  "
+            f"P2P {row['p2p_bytes'] / 1e6:6.2f} MB  busy ms [{busy}]  "
+            f"mb {'/'.join(str(m) for m in row['micro_batches'])}  rings {rings}"
+        )
+        if self.bar:
+            sys.stderr.write("\r\x1b[K")
+        print(line, flush=True)
+        if self.bar:
+            sys.stderr.write(self._bar())
+            sys.stderr.flush()
+
+    def _bar(self, width: int = 30) -> str:
+        frac = self.done / max(1, self.total)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        filled = int(width * frac)
+        bar = "#" * filled + "." * (width - filled)
+        return f"[{bar}] {self.done}/{self.total} steps, eta {eta:4.0f} s"
+
+    def finish(self) -> None:
+        if self.bar:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Benchmark the HDP planner; writes section ``planner`` of docs/benchmarks.md.
+
+What it measures (issue #2):
+
+1. Planning latency of every scheduler (``make_plan`` including the estimate, median of
+   ``--repeats`` runs, wall and CPU time) for 64, 1,024 and 16,384 HDP ranks on 32M-token
+   GitHub-like and Byted-like batches (2M context, C = 8K, LLaMA-7B on H100, offload on).
+2. Plan quality at 1,024 ranks: estimated step time, lower bound, balance ratio, critical path,
+   P2P bytes, rings; the static/balance step-time ratio.
+3. Targets: balance <= 1 s at 16,384 ranks and <= 100 ms at 1,024; balance ratio <= 1.05 on
+   both datasets at 1,024 ranks; static >= 3x balance (Byted).
+
+Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 3] [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
+
+from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
+from megatron_bytescale.planner.presets import fig6a_comparison, preset_cost_model  # noqa: E402
+from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
+
+SCHEDULERS = ("balance", "naive", "static", "pow2")
+DATASETS = ("github", "byted")
+RANKS = (64, 1024, 16384)
+TOKENS = 32 * 2**20
+CONTEXT = 2_097_152
+CAPACITY = 8192
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_planner] {msg}", file=sys.stderr, flush=True)
+
+
+def timed_plan(lengths, scheduler: str, ranks: int, cm, repeats: int, **kw):
+    """(plan, median wall s, median CPU s) or (None, reason, None)."""
+    walls, cpus, plan = [], [], None
+    for _ in range(repeats):
+        gc.collect()
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            plan = make_plan(lengths, scheduler=scheduler, hdp_size=ranks, capacity=CAPACITY,
+                             cost_model=cm, context_length=CONTEXT, **kw)
+        except ValueError as exc:
+            return None, str(exc), None
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return plan, statistics.median(walls), statistics.median(cpus)
+
+
+def short_reason(reason: str) -> str:
+    if "no context-parallel size fits" in reason:
+        return "n/a: CP for 2M > ranks"
+    if "power-of-two ring" in reason:
+        return "n/a: 2M needs a 256-rank ring"
+    if "at most" in reason:
+        return "n/a: overlong"
+    return "n/a"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median; default 3)")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
+    args = ap.parse_args()
+
+    cm = preset_cost_model("llama-7b")
+    load_before = os.getloadavg()[0]
+    data = {ds: synthetic_lengths(ds, TOKENS, seed=0, max_length=CONTEXT) for ds in DATASETS}
+    results: dict[tuple[str, int, str], tuple] = {}
+    for ds in DATASETS:
+        for ranks in RANKS:
+            for s in SCHEDULERS:
+                progress(f"{ds} {ranks:>5} ranks {s:8s} ...")
+                results[(ds, ranks, s)] = timed_plan(data[ds], s, ranks, cm, args.repeats)
+    for ds in DATASETS:  # Alg. 1 without offload, for the paper's ablation (naive 1.59x vs 2.01x)
+        progress(f"{ds}  1024 ranks naive, no offload ...")
+        results[(ds, 1024, "naive (no offload)")] = timed_plan(data[ds], "naive", 1024, cm, 1, offload=False)
+    load_after = os.getloadavg()[0]
+
+    # ---------------------------------------------------------------- latency
+    lat_rows = []
+    for ds in DATASETS:
+        for ranks in RANKS:
+            row = [ds, f"{ranks:,}", f"{len(data[ds]):,}"]
+            for s in SCHEDULERS:
+                plan, wall, cpu = results[(ds, ranks, s)]
+                row.append(short_reason(wall) if plan is None else f"{wall * 1e3:.0f} / {cpu * 1e3:.0f}")
+            lat_rows.append(row)
+    latency = markdown_table(
+        ["dataset", "HDP ranks", "sequences"] + [f"{s} ms (wall / CPU)" for s in SCHEDULERS], lat_rows)
+
+    # ---------------------------------------------------------------- quality
+    q_rows = []
+    for ds in DATASETS:
+        for ranks in RANKS:
+            extra = ("naive (no offload)",) if ranks == 1024 else ()
+            for s in SCHEDULERS + extra:
+                plan, _, _ = results[(ds, ranks, s)]
+                if plan is None:
+                    continue
+                e = plan.estimate
+                x = e.extra
+                q_rows.append([
+                    ds, f"{ranks:,}", s, f"{e.step_time_s:.2f}", f"{x['lower_bound_s']:.2f}",
+                    f"{x['balance_ratio']:.3f}", f"{x['critical_path_s']:.2f}", f"{x['balance_ratio_vs_bound']:.3f}",
+                    f"{e.p2p_bytes / 2**40:.1f}", str(x["num_rings"]), str(x["max_ring_size"]),
+                    f"{min(x['micro_batch_counts'])}-{max(x['micro_batch_counts'])}",
+                    str(x["offloaded_micro_batches"]),
+                ])
+    quality = markdown_table(
+        ["dataset", "ranks", "scheduler", "step (s)", "lower bound (s)", "balance ratio", "critical path (s)",
+         "ratio vs max(bound, critical)", "P2P (TiB)", "rings", "max ring", "mb/rank", "offloaded mbs"], q_rows)
+
+    # ---------------------------------------------------------------- targets
+    def step(ds, ranks, s):
+        plan = results[(ds, ranks, s)][0]
+        return None if plan is None else plan.estimate.step_time_s
+
+    checks = []
+    b16 = max(results[(ds, 16384, "balance")][1] for ds in DATASETS)
+    b1k = max(results[(ds, 1024, "balance")][1] for ds in DATASETS)
+    c16 = max(results[(ds, 16384, "balance")][2] for ds in DATASETS)
+    c1k = max(results[(ds, 1024, "balance")][2] for ds in DATASETS)
+    checks.append(["balance, 32M tokens on 16,384 ranks", "<= 1 s", f"{b16 * 1e3:.0f} ms wall, {c16 * 1e3:.0f} ms CPU (worst dataset)",
+                   "met" if c16 <= 1.0 else "missed"])
+    checks.append(["balance, 32M tokens on 1,024 ranks", "<= 100 ms", f"{b1k * 1e3:.0f} ms wall, {c1k * 1e3:.0f} ms CPU (worst dataset)",
+                   "met" if c1k <= 0.1 else "missed"])
+    for ds in DATASETS:
+        x = results[(ds, 1024, "balance")][0].estimate.extra
+        checks.append([f"balance ratio, {ds}, 1,024 ranks", "<= 1.05",
+                       f"{x['balance_ratio']:.3f} (vs max(LB, critical path): {x['balance_ratio_vs_bound']:.3f})",
+                       "met" if x["balance_ratio"] <= 1.05 else "missed (see note)"])
+    for ds in DATASETS:
+        st, ba = step(ds, 1024, "static"), step(ds, 1024, "balance")
+        checks.append([f"static / balance step time, {ds}, 1,024 ranks", ">= 3x (paper: 3.3x on Byted)",
+                       f"{st / ba:.2f}x ({st:.1f} s / {ba:.1f} s)", "met" if st / ba >= 3 else "missed"])
+    targets = markdown_table(["target", "goal", "measured", "status"], checks)
+
+    # notes: why a target is missed, where the paper's naive differs
+    gh = data["github"]
+    longest = int(gh.max())
+    floor = cm.num_layers * cm.ring_bytes_per_token * longest / cm.p2p_bandwidth_inter
+    gh_bal = results[("github", 1024, "balance")][0].estimate.extra
+    notes = [
+        f"- GitHub balance ratio: the batch's longest sequence has {longest:,} tokens. Every member of "
+        f"its ring receives all of its K/V forward and K/V + dK/dV (fp32) backward, "
+        f"{cm.ring_bytes_per_token:,.0f} bytes per token per layer, whatever the ring size: at "
+        f"{cm.p2p_bandwidth_inter / 1e9:.0f} GB/s that is a floor of {floor:.1f} s for {cm.num_layers} "
+        f"layers, above the lower bound of {gh_bal['lower_bound_s']:.1f} s. No schedule can beat "
+        f"{gh_bal['critical_path_s']:.1f} s (critical path); balance is within "
+        f"{(gh_bal['balance_ratio_vs_bound'] - 1) * 100:.1f} % of it. The ratio to the plain lower bound "
+        f"misses 1.05 because of this one sequence, not because of the assignment.",
+        "- naive is Alg. 1 with Eq. 3's *minimal* rings: with offload a 2M sequence goes on 16 ranks "
+        "(256 without) and runs ~16x longer per rank, so naive with offload is far slower than "
+        "without (row 'naive (no offload)'); the paper reports offload *helping* naive (1.59x -> "
+        "2.01x over the baseline), which this cost model does not reproduce: the planner's balance "
+        "scheduler widens such rings again.",
+        "- static's planning time is the plan itself: every document of a 2M bin is split over 256 "
+        "ranks, about 1.5M pieces per step.",
+    ]
+
+    fig6 = markdown_table(
+        ["length", "attention ms (model)", "attention ms (paper)", "MLP ms (model)", "MLP ms (paper)"],
+        [[f"{int(r['length']) // 1024}K", f"{r['attention_ms']:.2f}", f"{r['paper_attention_ms']}",
+          f"{r['mlp_ms']:.2f}", f"{r['paper_mlp_ms']}"] for r in fig6a_comparison(tensor_parallel_size=8)])
+
+    body = f"""## Planner (issue #2)
+
+`scripts/bench_planner.py` ({args.repeats} runs per cell, median). {machine_line()}
+Load average {load_before:.1f} before / {load_after:.1f} after (the machine is shared; wall times
+scale with it, CPU times much less, so the targets are judged on CPU time).
+
+Setup: synthetic 32M-token ({TOKENS:,}) GitHub-like and Byted-like batches (seed 0, 2M context),
+C = {CAPACITY:,}, cost model `{cm.name}` (LLaMA-7B, TP 1, H100-class: 40 GB/s network, 360 GB/s
+NVLink, 50 GB/s PCIe), offload on for naive/balance, `make_plan` including the estimate.
+
+### Targets
+
+{targets}
+
+### Planning latency
+
+{latency}
+
+### Plan quality
+
+Lower bound = total busy rank-seconds / ranks. Critical path = the slowest micro-batch on its
+fastest possible ring (a sequence whose ring is communication-bound cannot go faster however
+many ranks it gets); the last ratio is step time over the larger of the two bounds.
+
+{quality}
+
+### Notes
+
+{chr(10).join(notes)}
+
+### Cost model against paper Fig. 6(a) (LLaMA-7B, TP 8 assumed, per layer fwd+bwd)
+
+{fig6}
+"""
+    if args.no_write:
+        print(body)
+    else:
+        write_section("planner", body)
+        progress("wrote section 'planner' of docs/benchmarks.md")
+        print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""ByteScaleConfig and its --bytescale-* flags (no processes, no megatron model)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from megatron_bytescale.integration.config import (
+    ByteScaleConfig,
+    add_bytescale_args,
+    field_docstrings,
+)
+
+EXPECTED_FLAGS = {
+    "--bytescale-hdp",
+    "--no-bytescale-hdp",
+    "--bytescale-capacity",
+    "--bytescale-scheduler",
+    "--bytescale-offload",
+    "--no-bytescale-offload",
+    "--bytescale-plan-mode",
+    "--bytescale-align",
+    "--bytescale-context-length",
+    "--bytescale-overlong",
+    "--bytescale-attention-backend",
+    "--bytescale-check-plan-hash",
+    "--no-bytescale-check-plan-hash",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    return add_bytescale_args(argparse.ArgumentParser())
+
+
+def test_flag_set_is_pinned():
+    flags = {
+        option
+        for action in _parser()._actions
+        for option in action.option_strings
+        if "bytescale" in option
+    }
+    assert flags == EXPECTED_FLAGS
+
+
+def test_every_field_has_a_docstring_that_becomes_help():
+    docs = field_docstrings()
+    names = [f.name for f in dataclasses.fields(ByteScaleConfig)]
+    assert sorted(docs) == sorted(names)
+    helps = {
+        a.dest: a.help
+        for a in _parser()._actions
+        if a.dest.startswith("bytescale_") and not a.option_strings[0].startswith("--no-")
+    }
+    for name in names:
+        assert docs[name] and docs[name] in helps[f"bytescale_{name}"]
+
+
+def test_defaults_round_trip_through_argparse():
+    args = _parser().parse_args([])
+    assert ByteScaleConfig.from_args(args) == ByteScaleConfig()
+
+
+def test_values_and_bool_pairs_parse():
+    args = _parser().parse_args(
+        [
+            "--bytescale-hdp",
+            "--bytescale-capacity",
+            "512",
+            "--bytescale-scheduler",
+            "naive",
+            "--no-bytescale-offload",
+            "--bytescale-plan-mode",
+            "rank0_broadcast",
+            "--bytescale-align",
+            "8",
+            "--no-bytescale-check-plan-hash",
+        ]
+    )
+    config = ByteScaleConfig.from_args(args)
+    assert config.hdp and not config.offload and not config.check_plan_hash
+    assert (config.capacity, config.scheduler, config.plan_mode, config.align) == (
+        512,
+        "naive",
+        "rank0_broadcast",
+        8,
+    )
+
+
+def test_capacity_and_context_default_from_megatron_seq_length():
+    args = _parser().parse_args([])
+    args.seq_length, args.context_parallel_size = 8192, 4
+    config = ByteScaleConfig.from_args(args)
+    assert config.capacity == 2048 and config.context_length == 8192
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--bytescale-capacity", "0"], "--bytescale-capacity"),
+        (["--bytescale-align", "0"], "--bytescale-align"),
+        (["--bytescale-context-length", "-5"], "--bytescale-context-length"),
+        (["--bytescale-capacity", "4", "--bytescale-align", "8"], "--bytescale-capacity"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, flag):
+    args = _parser().parse_args(argv)
+    with pytest.raises(ValueError, match=flag):
+        ByteScaleConfig.from_args(args)
+
+
+def test_bad_choice_in_dataclass_names_the_flag():
+    with pytest.raises(ValueError, match="--bytescale-scheduler"):
+        ByteScaleConfig(scheduler="fastest")  # type: ignore[arg-type]
+
+
+def test_argparse_rejects_unknown_choice():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--bytescale-plan-mode", "sometimes"])

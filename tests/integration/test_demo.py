@@ -1,0 +1,85 @@
+"""The CPU demo: settings checks, the report's arithmetic, and one small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bytescale.tools.demo_report import comparison_rows, summarize
+from megatron_bytescale.tools.demo_settings import DemoSettings
+
+
+def test_settings_refuse_a_context_the_ranks_cannot_hold():
+    with pytest.raises(ValueError, match="--bytescale-context-length"):
+        DemoSettings(ranks=4, capacity=512, context_length=4096)
+    with pytest.raises(ValueError, match="--modes"):
+        DemoSettings(modes=("fast",))
+    assert DemoSettings().static_cp_size == 4
+
+
+def _mode(label, busy, wall, p2p, loss):
+    steps = [
+        {
+            "tokens": 1000,
+            "wall_s": w,
+            "busy_s": b,
+            "p2p_bytes": p,
+            "loss": l,
+            "micro_batches": [1, 1],
+        }
+        for b, w, p, l in zip(busy, wall, p2p, loss)
+    ]
+    return {"label": label, "steps": steps}
+
+
+def test_report_averages_skip_the_warm_up_step_and_compare_with_static():
+    results = {
+        "datasets": {
+            "d": {
+                "description": "",
+                "modes": {
+                    "static": _mode(
+                        "S", [[9, 9], [2, 2], [2, 2]], [9, 1, 1], [0, 100, 300], [3, 2, 1]
+                    ),
+                    "balance": _mode(
+                        "B", [[9, 9], [1, 0.5], [1, 0.5]], [9, 0.5, 0.5], [0, 10, 30], [3, 2, 1]
+                    ),
+                },
+            }
+        }
+    }
+    static, balance = summarize(results)["d"]
+    assert (static.tokens_per_s, balance.tokens_per_s) == (1000.0, 2000.0)
+    assert (balance.max_busy_s, balance.mean_busy_s) == (1.0, 0.75)
+    assert balance.p2p_bytes == 20 and static.p2p_bytes == 200
+    headers, rows = comparison_rows([static, balance])
+    assert rows[1][headers.index("vs static")] == "2.00x"
+    assert rows[1][headers.index("P2P MB/step") + 1] == "0.10x"
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    command = [
+        sys.executable, "-m", "megatron_bytescale.cli", "demo", "--steps", "3",
+        "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--num-query-groups", "1", "--ffn-hidden-size", "64", "--bytescale-capacity", "128",
+        "--micro-batches-per-rank", "3", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    modes = results["datasets"]["stdlib"]["modes"]
+    assert set(modes) == {"static", "naive", "balance"}
+    losses = {m: [s["loss"] for s in modes[m]["steps"]] for m in modes}
+    assert all(len(v) == 3 for v in losses.values())
+    for m in ("naive", "balance"):
+        assert max(abs(a - b) for a, b in zip(losses[m], losses["static"])) <= 1e-4
+    sent = {m: sum(s["p2p_bytes"] for s in modes[m]["steps"]) for m in modes}
+    assert sent["balance"] < sent["static"]
+    assert "HDP balance" in done.stdout and "vs static" in done.stdout
+    assert (out / "demo.png").stat().st_size > 0

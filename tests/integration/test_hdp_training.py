@@ -1,0 +1,98 @@
+"""HDP training inside megatron-core on 4 CPU ranks (gloo): gradients, training, scheduling.
+
+All checks share ONE 4-process spawn (module-scoped fixture); see ``hdp_cases.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bytescale.testing.distributed import run_distributed
+
+from .hdp_cases import SLEEP_S, TRAIN_STEPS, hdp_rank_body
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(4, hdp_rank_body, timeout_s=600)
+
+
+def test_megatron_sees_cp1_and_the_hdp_group_is_dp(results):
+    assert all(r["hdp_size"] == 4 and r["megatron_cp"] == 1 for r in results)
+
+
+def test_entry_point_refuses_cp_hybrid_and_pp(results):
+    refusals = results[0]["refusals"]
+    assert "--context-parallel-size 2" in refusals["cp"]
+    assert "--hybrid-context-parallel" in refusals["hybrid"]
+    assert "later issue" in refusals["pp"]
+
+
+@pytest.mark.parametrize("scheduler", ["balance", "naive", "static"])
+def test_one_step_matches_single_process_reference(results, scheduler):
+    ref_loss = results[0]["reference"]
+    info = [r["grad"][scheduler] for r in results]
+    if scheduler == "static":
+        assert info[0]["ring_sizes"] == [4]
+    else:
+        assert {1, 2, 3} <= set(info[0]["ring_sizes"])
+    if scheduler == "balance":
+        assert len(set(info[0]["micro_batch_counts"])) > 1, "ranks should run different counts"
+    loss = sum(i["loss_sum"] for i in info) / info[0]["global_loss_tokens"]
+    assert abs(loss - ref_loss) / abs(ref_loss) <= TOLERANCE
+    assert info[0]["grad_names_match"]
+    worst = max(info[0]["grad_errors"].values())
+    assert worst <= TOLERANCE, f"{scheduler}: max relative gradient error {worst:.2e}"
+
+
+def test_hdp_sends_less_than_static(results):
+    sent = {s: sum(r["grad"][s]["p2p_bytes"] for r in results) for s in ("balance", "static")}
+    assert 0 < sent["balance"] < sent["static"]
+
+
+def _curve(results, scheduler):
+    sums = [sum(r["train"][scheduler]["loss_sums"][i] for r in results) for i in range(TRAIN_STEPS)]
+    tokens = results[0]["train"][scheduler]["loss_tokens"]
+    return [s / n for s, n in zip(sums, tokens)]
+
+
+def test_training_loss_falls_and_matches_static(results):
+    hdp, static = _curve(results, "balance"), _curve(results, "static")
+    assert len(hdp) == TRAIN_STEPS
+    assert sum(hdp[-5:]) / 5 < sum(hdp[:5]) / 5 - 0.3
+    assert max(abs(a - b) for a, b in zip(hdp, static)) <= 1e-4
+    counts = [r["train"]["balance"]["micro_batch_counts"] for r in results]
+    assert any(len({c[i] for c in counts}) > 1 for i in range(TRAIN_STEPS))
+
+
+def test_ranks_wait_only_in_the_gradient_reduction(results):
+    t = [r["timeline"] for r in results]
+    assert [x["micro_batches"] for x in t] == [3, 2, 2, 0]
+    slow_done = t[0]["done_at"]
+    for fast in t[1:]:
+        # fast ranks (one without any micro-batch) finish their micro-batches long before the
+        # slow rank, which sleeps SLEEP_S in each of its 3 ...
+        assert fast["done_at"] < slow_done - 2 * SLEEP_S
+        # ... and then block in the gradient reduction until it arrives
+        assert fast["reduce_wall_s"] > 2 * SLEEP_S
+        assert fast["reduced_at"] >= slow_done
+    assert t[0]["reduce_wall_s"] < SLEEP_S
+
+
+def test_rank0_broadcast_gives_the_same_plan_and_mismatches_are_caught(results):
+    assert len({r["broadcast_hash"] for r in results}) == 1
+    assert results[0]["broadcast_hash"] == results[0]["every_rank_hash"]
+    for r in results:
+        message = r["mismatch"]
+        assert message is not None
+        assert "HDP ranks [0, 2, 3]" in message and "HDP ranks [1]" in message
+
+
+def test_core_attention_refuses_what_the_ring_kernel_cannot_do(results):
+    refusals = results[0]["attention_refusals"]
+    assert "attention dropout (0.1)" in refusals["dropout"]
+    assert "causal attention only" in refusals["mask"]
+    assert "takes no PackedSeqParams" in refusals["packed"]
+    assert "no micro-batch bound" in refusals["unbound"]

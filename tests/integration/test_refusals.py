@@ -1,0 +1,85 @@
+"""Configurations HDP cannot serve are refused with messages that name the flag (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_bytescale.integration.groups import HDPParallelLayout
+from megatron_bytescale.testing import cpu_compat
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(context_parallel_size=2), "--context-parallel-size 2"),
+        (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+        (dict(pipeline_model_parallel_size=2), "PP > 1 is not served yet"),
+        (dict(virtual_pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
+        (dict(expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
+    ],
+)
+def test_layout_refuses_unsupported_parallelism(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HDPParallelLayout(world_size=8, **kwargs)
+
+
+def test_layout_from_megatron_args():
+    class Args:
+        world_size = 8
+        tensor_model_parallel_size = 1
+        pipeline_model_parallel_size = 1
+        context_parallel_size = 4
+        hybrid_context_parallel = False
+
+    with pytest.raises(ValueError, match="HDP replaces Megatron's static context parallelism"):
+        HDPParallelLayout.from_megatron_args(Args())
+    Args.context_parallel_size = 1
+    assert HDPParallelLayout.from_megatron_args(Args()).hdp_size == 8
+
+
+def test_cpu_compat_refuses_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(cpu_compat.CpuCompatError, match="CUDA is available"):
+        cpu_compat.enable_cpu_megatron()
+    assert not cpu_compat.cpu_megatron_enabled()
+
+
+def _cost_model():
+    from megatron_bytescale.planner.cost_model import CostModel
+
+    return CostModel(
+        num_layers=2,
+        alpha1=2e-8,
+        beta1=2e-5,
+        gamma=1e-4,
+        alpha2=1000.0,
+        d2h_bandwidth=1e10,
+        h2d_bandwidth=1e10,
+        kv_bytes_per_token=64.0,
+        p2p_bandwidth_intra=5e8,
+        p2p_bandwidth_inter=5e8,
+    )
+
+
+def test_capacity_too_small_for_the_context_is_refused():
+    from megatron_bytescale.integration.config import ByteScaleConfig
+    from megatron_bytescale.integration.planning import make_step_planner
+
+    config = ByteScaleConfig(hdp=True, capacity=64, context_length=1024)
+    with pytest.raises(ValueError, match="--bytescale-capacity 64 is too small"):
+        make_step_planner(config, hdp_size=4, cost_model=_cost_model())
+
+
+def test_sequence_longer_than_all_ranks_hold_is_refused_by_the_planner():
+    from megatron_bytescale.integration.config import ByteScaleConfig
+    from megatron_bytescale.integration.planning import make_step_planner
+
+    plan = make_step_planner(
+        ByteScaleConfig(hdp=True, capacity=64), hdp_size=4, cost_model=_cost_model()
+    )
+    assert plan([100, 30]).hdp_size == 4
+    with pytest.raises(ValueError, match="sequence 1 has 300 tokens"):
+        plan([100, 300])

@@ -1,0 +1,132 @@
+"""`bytescale plan` end to end, import hygiene and determinism across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bytescale.data.synthetic import synthetic_lengths
+from megatron_bytescale.planner.plan import StepPlan
+from megatron_bytescale.planner.presets import preset_cost_model
+from megatron_bytescale.planner.schedulers import make_plan
+from megatron_bytescale.tools.plan_cmd import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_cli_compare_json_plot_end_to_end(tmp_path):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "out" / "plan.png"
+    res = run_cli("--compare", "--global-tokens", "4000000", "--hdp-size", "64",
+                  "--context-length", "262144", "--json", str(out_json), "--plot", str(out_png), "--validate")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    header = next(l for l in lines if l.startswith("scheduler"))
+    assert "step (s)" in header and "x balance" in header and "P2P" in header and "rings" in header
+    rows = {l.split()[0]: l.split() for l in lines if l.split() and l.split()[0] in ("balance", "naive", "static", "pow2")}
+    assert set(rows) == {"balance", "naive", "static", "pow2"}
+    assert rows["balance"][2] == "1.00"  # ratio to itself
+    assert "plan valid and deadlock-free" in res.stdout
+    assert "[bytescale plan]" in res.stderr  # progress
+    plan = StepPlan.from_json(out_json.read_text())
+    plan.validate()
+    assert plan.scheduler == "balance" and plan.hdp_size == 64 and plan.total_tokens == 4_000_000
+    assert plan.estimate is not None and plan.meta["cost_model"].startswith("llama-7b")
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_error_is_one_line_and_exit_2(tmp_path):
+    res = run_cli(str(tmp_path / "missing.txt"))
+    assert res.returncode == 2
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "missing.txt' does not exist" in err[0] and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hdp-size", "0"], r"hdp_size \(0\) must be an integer >= 1"),
+    (["--capacity", "-1"], r"capacity \(-1\)"),
+    (["--pp-size", "3"], r"pp_size \(3\) must divide"),
+    (["--scheduler", "magic"], r"argument --scheduler: invalid choice: 'magic'"),
+    (["--model", "gpt-9"], r"unknown model preset 'gpt-9'"),
+    (["--synthetic", "pile"], r"invalid choice: 'pile'"),
+    (["--hdp-size", "abc"], r"argument --hdp-size: invalid int value: 'abc'"),
+    (["--no-offload", "--hdp-size", "8"], r"sequence \d+ has \d+ tokens but at most 65536 fit.*--overlong drop\|truncate"),
+    (["--scheduler", "static", "--hdp-size", "100", "--context-length", "2097152"], r"static: no context-parallel size fits"),
+])
+def test_cli_bad_arguments(capsys, argv, match):
+    assert main(["--global-tokens", "3000000", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("bytescale plan: error:")
+    assert __import__("re").search(match, err), err
+
+
+def test_cli_overlong_drop_and_truncate_are_reported(capsys):
+    base = ["--global-tokens", "3000000", "--hdp-size", "8", "--no-offload", "--quiet"]
+    assert main(base + ["--overlong", "drop"]) == 0
+    assert "balance: dropped" in capsys.readouterr().out
+    assert main(base + ["--overlong", "truncate"]) == 0
+    assert "balance: truncated" in capsys.readouterr().out
+
+
+def test_cli_reads_files_and_marks_inapplicable_schedulers(tmp_path, capsys):
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(["30000", "9000", "500", "100"] * 20) + "\n")
+    assert main([str(f), "--hdp-size", "6", "--compare", "--quiet", "--pp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "file " in out and "PP 2" in out
+    assert "pow2: not applicable: scheduler 'pow2'" in out
+    j = tmp_path / "lengths.json"
+    j.write_text(json.dumps([30000, 9000, 500]))
+    assert main([str(j), "--hdp-size", "8", "--quiet", "--scheduler", "naive"]) == 0
+    assert "naive" in capsys.readouterr().out
+
+
+def test_planner_imports_neither_torch_nor_megatron():
+    code = (
+        "import sys\n"
+        "import megatron_bytescale.planner, megatron_bytescale.planner.schedulers\n"
+        "import megatron_bytescale.data.synthetic, megatron_bytescale.data.lengths\n"
+        "import megatron_bytescale.tools.plan_cmd, megatron_bytescale.tools.gantt\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'matplotlib')]\n"
+        "print(bad)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+HASH_SCRIPT = """
+import sys
+from megatron_bytescale.data.synthetic import synthetic_lengths
+from megatron_bytescale.planner.presets import preset_cost_model
+from megatron_bytescale.planner.schedulers import make_plan
+lengths = synthetic_lengths("github", 3_000_000, seed=3, max_length=262144)
+for s in ("naive", "balance", "static", "pow2"):
+    p = make_plan(lengths, scheduler=s, hdp_size=48, capacity=8192, cost_model=preset_cost_model(), estimate=False)
+    print(s, p.content_hash())
+p = make_plan(lengths, scheduler="balance", hdp_size=48, capacity=8192, cost_model=preset_cost_model(), pp_size=2, estimate=False)
+print("balance-pp2", p.content_hash())
+"""
+
+
+def test_same_plan_hash_in_two_processes():
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run([sys.executable, "-c", HASH_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert res.returncode == 0, res.stderr
+        outs.append(res.stdout)
+    assert outs[0] == outs[1]
+    lengths = synthetic_lengths("github", 3_000_000, seed=3, max_length=262144)
+    here = make_plan(lengths, scheduler="balance", hdp_size=48, capacity=8192, cost_model=preset_cost_model())
+    assert f"balance {here.content_hash()}" in outs[0]
