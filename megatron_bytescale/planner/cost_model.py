@@ -28,10 +28,15 @@ real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each seque
     m_f     = latency + kv * sum(P_j) / D / bandwidth             (one KV block)
     m_b     = latency + (kv + dkv) * sum(P_j) / D / bandwidth     (KV + dKV blocks)
     ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
+              + (D - 1) * ring_step_overhead
     time    = layers * (linear + ring + exposed_offload)
 
 i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
-costs time only where it exceeds the compute it hides behind. With D = 1 this is exactly
+costs time only where it exceeds the compute it hides behind. ``ring_step_overhead`` is what a
+ring step costs beyond its kernels and transfer whatever the overlap: launches and
+synchronisation on GPUs (0 in the analytic presets, as in the paper), and on CPU the copies
+and thread switches that gloo makes on the same cores that compute (calibrated by
+``integration.calibration``; without it a CPU planner sees rings as nearly free). With D = 1 this is exactly
 ``layers * T(s)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
 intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
 its slowest hop).
@@ -72,7 +77,7 @@ COST_MODEL_VERSION = 1
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
-    "attention_forward_fraction", "forward_fraction",
+    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s",
 )
 
 
@@ -106,6 +111,9 @@ class CostModel:
     p2p_bandwidth_intra: float
     p2p_bandwidth_inter: float
     p2p_latency_s: float = 0.0
+    ring_step_overhead_s: float = 0.0
+    """Seconds per ring step per layer (forward and backward together) that no compute hides:
+    launch/synchronisation cost on GPUs, gloo's copies on the computing cores on CPU."""
     ranks_per_node: int = 1
     """HDP ranks that share a node (gpus_per_node // TP); a ring inside one node uses NVLink."""
     attention_forward_fraction: float = 2.0 / 7.0
@@ -288,7 +296,9 @@ class CostModel:
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
         steps = d - 1.0
-        ring = c_f + c_b + steps * (np.maximum(c_f, m_f) + np.maximum(c_b, m_b))
+        ring = c_f + c_b + steps * (
+            np.maximum(c_f, m_f) + np.maximum(c_b, m_b) + self.ring_step_overhead_s
+        )
         layer = linear + ring
         exposed = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
         out = layers * (layer + exposed)

@@ -53,6 +53,10 @@ def zigzag_share(
         if position != 0:
             raise ValueError(f"ring position ({position}) must be 0 for a ring of size 1")
         return [(0, length)] if length > 0 else []
-    parts = zigzag_parts(length, ring_size, align)
-    first, second = zigzag_part_ids(ring_size, position)
-    return [parts[k] for k in (first, second) if parts[k][1] > parts[k][0]]
+    chunk = zigzag_chunk(length, ring_size, align)
+    out = []
+    for part in zigzag_part_ids(ring_size, position):
+        start, end = min(part * chunk, length), min((part + 1) * chunk, length)
+        if end > start:
+            out.append((start, end))
+    return out

@@ -233,7 +233,8 @@ class StepPrinter:
             f"calibrated cost model (per layer, fwd+bwd): T(s) = {cm.alpha1:.3g} s^2 + "
             f"{cm.beta1:.3g} s + {cm.gamma:.3g} seconds; "
             f"P2P {calibration.p2p_bandwidth / 1e6:.0f} MB/s, "
-            f"{calibration.p2p_latency_s * 1e6:.0f} us latency",
+            f"{calibration.p2p_latency_s * 1e6:.0f} us latency, "
+            f"ring step overhead {cm.ring_step_overhead_s * 1e3:.2f} ms per layer",
             flush=True,
         )
 

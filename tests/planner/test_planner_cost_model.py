@@ -168,6 +168,18 @@ def test_ring_time_exposes_communication_beyond_compute():
     assert cm.micro_batch_time([800], 4, layers=1, intra_node=False) == pytest.approx(want, rel=1e-12)
 
 
+def test_ring_step_overhead_is_charged_per_ring_step_and_layer():
+    # the CPU calibration's term: every one of the D - 1 ring steps of every layer pays it
+    base = small_cost_model()
+    slow = small_cost_model(ring_step_overhead_s=2e-3)
+    for d in (2, 3, 5):
+        extra = slow.micro_batch_time([900, 40], d, layers=8) - base.micro_batch_time([900, 40], d, layers=8)
+        assert extra == pytest.approx(8 * (d - 1) * 2e-3, rel=1e-9)
+    # a local micro-batch never pays it
+    assert slow.micro_batch_time([900], 1, layers=8) == base.micro_batch_time([900], 1, layers=8)
+    assert CostModel.from_dict(slow.to_dict()) == slow
+
+
 def test_intra_node_rings_use_nvlink():
     cm = small_cost_model()
     assert cm.ring_is_intra_node((0, 1, 3)) and not cm.ring_is_intra_node((3, 4))

@@ -47,7 +47,9 @@ while keeping runs long enough to matter; it only affects PP-Balance.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections import deque
 from dataclasses import replace
 from typing import Sequence
@@ -199,7 +201,13 @@ def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: Shard
 
 
 def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[list[Placement], float]:
-    """LPT: each unit (heaviest first) on its D least-loaded ranks, starting when all are free.
+    """LPT with backfilling: each unit (heaviest first) on its D least-loaded ranks.
+
+    A ring starts when its slowest member is free; the other members would idle until then.
+    Those idle intervals are kept as *holes*, and a later single-rank unit that fits one runs
+    there (best fit: the smallest hole that holds it) instead of at the end of the least-loaded
+    rank. The placements come back sorted by start time, so every rank's run order is its time
+    order and the global order stays consistent for rings (D5).
 
     Topology: a ring of at most ``ranks_per_node`` members may instead take the D least-loaded
     ranks of one node (one of the nodes of the overall choice) when NVLink makes it finish first.
@@ -207,11 +215,18 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     """
     loads = np.zeros(n)
     heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == loads[rank]
-    placements: list[Placement] = []
+    holes = _Holes()
+    timed: list[tuple[float, int, Placement]] = []
     cm = ctx.cost_model
     rpn = cm.ranks_per_node
-    for u in units:
+    for index, u in enumerate(units):
         d = u.ring_size
+        if d == 1:
+            hole = holes.take(u.time)
+            if hole is not None:
+                start, rank = hole
+                timed.append((start, index, Placement(ring=(rank,), seqs=u.seqs, offload_ratio=u.offload_ratio)))
+                continue
         picked: list[int] = []
         while len(picked) < d:
             t, r = heapq.heappop(heap)
@@ -233,6 +248,8 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
                     s_node = float(loads[best].max())
                     if s_node + t_in < start + t_u:
                         start, t_u, ring = s_node, t_in, tuple(sorted(int(x) for x in best))
+            for r in ring:
+                holes.add(float(loads[r]), start, r)
         end = start + t_u
         for r in picked:
             if r not in ring:
@@ -240,8 +257,29 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
         for r in ring:
             loads[r] = end
             heapq.heappush(heap, (end, r))
-        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
-    return placements, float(loads.max()) if n else 0.0
+        timed.append((start, index, Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio)))
+    timed.sort(key=lambda x: (x[0], x[1]))
+    return [p for _, _, p in timed], float(loads.max()) if n else 0.0
+
+
+class _Holes:
+    """Idle intervals of ranks waiting for a ring, searchable by length (best fit)."""
+
+    def __init__(self) -> None:
+        self._by_length: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
+
+    def add(self, start: float, end: float, rank: int) -> None:
+        if end - start > 1e-12 * max(1.0, end):
+            bisect.insort(self._by_length, (end - start, start, rank))
+
+    def take(self, duration: float) -> tuple[float, int] | None:
+        """Start and rank of the smallest hole that holds ``duration``; the rest stays a hole."""
+        k = bisect.bisect_left(self._by_length, (duration, -math.inf, -1))
+        if k == len(self._by_length):
+            return None
+        length, start, rank = self._by_length.pop(k)
+        self.add(start + duration, start + length, rank)
+        return start, rank
 
 
 # --------------------------------------------------------------------------- PP
