@@ -17,6 +17,12 @@ Planning (D7) happens in one of two modes:
 In both modes every rank then all-gathers the plan's 32-byte content hash and stops with an
 error naming the disagreeing ranks if the hashes differ, before any rank trains on the plan.
 
+Planning off the critical path (the paper's prefetching loader, §7): in ``every_rank`` mode the
+iterator reads and plans the next ``prefetch`` global batches on a background thread while
+the current step trains, from length metadata only; the step then only waits for a plan that
+is not ready yet (``HDPStep.plan_wait_s``). ``rank0_broadcast`` plans in the main thread,
+because its broadcast is a collective that must not interleave with the training's own.
+
 Sources: anything iterable that yields :class:`GlobalBatch` objects or plain lists of token
 sequences (sequence id = index). Token access goes through ``GlobalBatch.tokens_by_seq``, a
 mapping, so a source backed by a Megatron indexed dataset can hand in a lazy mapping that
@@ -26,7 +32,10 @@ reads only the sequences this rank's pieces touch.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
@@ -79,6 +88,10 @@ class HDPStep:
     global_batch: GlobalBatch
     global_loss_tokens: int
     _build: Callable[[int], "MicroBatchTensors"] = field(repr=False)
+    plan_s: float = 0.0
+    """Seconds spent reading the global batch and planning it (on whichever thread did it)."""
+    plan_wait_s: float = 0.0
+    """Seconds the training thread waited for this step's plan (0 when prefetch hid it)."""
 
     @property
     def micro_batches(self) -> tuple[MicroBatch, ...]:
@@ -121,6 +134,8 @@ class HDPDataIterator:
         plan_mode: ``"every_rank"`` or ``"rank0_broadcast"`` (see the module docstring).
         check_plan_hash: all-gather and compare plan hashes every step.
         device: where micro-batch tensors are built (None: the runtime's default).
+        prefetch: global batches read and planned ahead on a background thread
+            (``every_rank`` mode only; 0 plans in the training thread).
     """
 
     def __init__(
@@ -132,9 +147,12 @@ class HDPDataIterator:
         plan_mode: PlanMode = "every_rank",
         check_plan_hash: bool = True,
         device: Optional[torch.device | str] = None,
+        prefetch: int = 1,
     ) -> None:
         if plan_mode not in ("every_rank", "rank0_broadcast"):
             raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch ({prefetch!r}) must be an integer >= 0")
         self._source = iter(source)
         self._planner = planner
         self.hdp = hdp
@@ -142,15 +160,27 @@ class HDPDataIterator:
         self.check_plan_hash = check_plan_hash
         self.device = device
         self._step = 0
+        background = plan_mode == "every_rank" or hdp.size == 1
+        self.prefetch = prefetch if background else 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()
 
     def __iter__(self) -> "HDPDataIterator":
         return self
 
     def __next__(self) -> HDPStep:
-        batch = next(self._source)
-        if not isinstance(batch, GlobalBatch):
-            batch = GlobalBatch.from_sequences(batch)
-        plan = self._plan(list(batch.lengths))
+        wait0 = time.perf_counter()
+        if self.prefetch:
+            self._fill_pipeline()
+            planned = self._pending.popleft().result()
+            self._fill_pipeline()
+        else:
+            planned = self._read_and_plan()
+        plan_wait_s = time.perf_counter() - wait0
+        if planned is None:
+            self.close()
+            raise StopIteration
+        batch, plan, plan_s = planned
         if plan.hdp_size != self.hdp.size:
             raise ValueError(
                 f"the planner made a plan for {plan.hdp_size} HDP ranks, the HDP group has "
@@ -167,9 +197,45 @@ class HDPDataIterator:
             global_batch=batch,
             global_loss_tokens=loss_tokens_of(s.length for s in plan.sequences),
             _build=self._builder(plan, batch),
+            plan_s=plan_s,
+            plan_wait_s=plan_wait_s if self.prefetch else plan_s,
         )
         self._step += 1
         return step
+
+    def close(self) -> None:
+        """Stop the background planner (pending plans are dropped)."""
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def __del__(self) -> None:  # best effort: do not leave a thread behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _fill_pipeline(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bytescale-plan")
+        while len(self._pending) < self.prefetch:
+            # one worker: batches are read and planned strictly in order
+            self._pending.append(self._executor.submit(self._read_and_plan))
+
+    def _read_and_plan(self) -> tuple[GlobalBatch, StepPlan, float] | None:
+        """Next global batch and its plan (None when the source is exhausted)."""
+        start = time.perf_counter()
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            return None
+        if not isinstance(batch, GlobalBatch):
+            batch = GlobalBatch.from_sequences(batch)
+        plan = self._plan(list(batch.lengths))
+        return batch, plan, time.perf_counter() - start
 
     def _plan(self, lengths: list[int]) -> StepPlan:
         if self.plan_mode == "every_rank" or self.hdp.size == 1:

@@ -169,12 +169,7 @@ def _fill(rng: np.random.Generator, buckets: list[tuple[int, int]], weights: np.
         draw = np.minimum(draw, max_length)
         parts.append(draw)
         total += int(draw.sum())
-    out = np.concatenate(parts)
-    cum = np.cumsum(out)
-    last = int(np.searchsorted(cum, budget, side="left"))
-    out = out[: last + 1].copy()
-    out[-1] -= int(cum[last]) - budget
-    return out[out > 0]
+    return _trim_to_budget(np.concatenate(parts), budget)
 
 
 def byted(global_tokens: int, *, seed: int = 0, max_length: int = DEFAULT_MAX_LENGTH) -> np.ndarray:
@@ -216,10 +211,14 @@ def _draw_until(budget: int, draw: Callable[[int], np.ndarray], *, mean: float) 
         d = draw(max(16, int((budget - total) / mean * 1.1)))
         parts.append(d)
         total += int(d.sum())
-    out = np.concatenate(parts)
-    cum = np.cumsum(out)
+    return _trim_to_budget(np.concatenate(parts), budget)
+
+
+def _trim_to_budget(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The shortest prefix holding ``budget`` tokens, its last length cut so the sum is exact."""
+    cum = np.cumsum(lengths)
     last = int(np.searchsorted(cum, budget, side="left"))
-    out = out[: last + 1].copy()
+    out = lengths[: last + 1].copy()
     out[-1] -= int(cum[last]) - budget
     return out[out > 0]
 

@@ -48,20 +48,9 @@ def test_cpu_compat_refuses_when_cuda_is_available(monkeypatch):
 
 
 def _cost_model():
-    from megatron_bytescale.planner.cost_model import CostModel
+    from .hdp_cases import cost_model
 
-    return CostModel(
-        num_layers=2,
-        alpha1=2e-8,
-        beta1=2e-5,
-        gamma=1e-4,
-        alpha2=1000.0,
-        d2h_bandwidth=1e10,
-        h2d_bandwidth=1e10,
-        kv_bytes_per_token=64.0,
-        p2p_bandwidth_intra=5e8,
-        p2p_bandwidth_inter=5e8,
-    )
+    return cost_model()
 
 
 def test_capacity_too_small_for_the_context_is_refused():
