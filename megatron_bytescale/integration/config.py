@@ -40,8 +40,8 @@ class ByteScaleConfig:
 
     capacity: Optional[int] = None
     """Token capacity C of one HDP rank per micro-batch (the paper's C; Megatron's analogue is
-    --max-seqlen-per-dp-cp-rank). Defaults to --seq-length divided by the context-parallel size
-    the run asked for."""
+    --max-seqlen-per-dp-cp-rank): the most tokens whose activations one rank holds at once.
+    Defaults to --seq-length."""
 
     scheduler: SchedulerName = "balance"
     """How a global batch is planned: 'balance' (ByteScale Alg. 2, ranks get different numbers
@@ -79,6 +79,14 @@ class ByteScaleConfig:
     (GPU, needs Transformer Engine), 'auto' (flash_attn or te on CUDA with fp16/bf16 when
     installed, otherwise torch)."""
 
+    plan_prefetch: int = 1
+    """Global batches read and planned ahead on a background thread while the current step
+    trains (with --bytescale-plan-mode every_rank; 0 plans at the start of each step)."""
+
+    cost_model: Optional[str] = None
+    """Path of a planner cost model (JSON written by CostModel.save, e.g. fitted from your own
+    measurements). Default: the analytic model of these model flags on an H100-class GPU."""
+
     check_plan_hash: bool = True
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""
@@ -90,6 +98,10 @@ class ByteScaleConfig:
             )
         if self.align < 1:
             raise ValueError(f"{flag_name('align')} ({self.align}) must be >= 1")
+        if self.plan_prefetch < 0:
+            raise ValueError(
+                f"{flag_name('plan_prefetch')} ({self.plan_prefetch}) must be >= 0 (0: no prefetch)"
+            )
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(
                 f"{flag_name('context_length')} ({self.context_length}) must be a positive number "
@@ -107,9 +119,10 @@ class ByteScaleConfig:
     def from_args(cls, args: argparse.Namespace) -> "ByteScaleConfig":
         """Build the config from a namespace parsed with :func:`add_bytescale_args`.
 
-        Fills ``capacity`` and ``context_length`` from Megatron's ``--seq-length`` (and
-        ``--context-parallel-size``) when they were not given, and checks that the capacity can
-        hold one zigzag part. Raises ``ValueError`` naming the flag and value on bad input.
+        Fills ``capacity`` and ``context_length`` from Megatron's ``--seq-length`` when they were
+        not given (HDP runs Megatron with CP = 1, so a context-length sequence fits one rank
+        unless ``--bytescale-capacity`` says less), and checks that the capacity can hold one
+        zigzag part. Raises ``ValueError`` naming the flag and value on bad input.
         """
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
@@ -117,9 +130,8 @@ class ByteScaleConfig:
             if hasattr(args, dest):
                 values[f.name] = getattr(args, dest)
         seq_length = getattr(args, "seq_length", None)
-        cp_size = int(getattr(args, "context_parallel_size", 1) or 1)
         if values.get("capacity") is None and seq_length:
-            values["capacity"] = max(1, int(seq_length) // cp_size)
+            values["capacity"] = int(seq_length)
         if values.get("context_length") is None and seq_length:
             values["context_length"] = int(seq_length)
         config = cls(**values)

@@ -71,10 +71,14 @@ class HDPParallelLayout:
                 "are of any size on any ranks, Megatron's are aligned powers of two)"
             )
         if self.pipeline_model_parallel_size != 1 or self.virtual_pipeline_model_parallel_size:
+            virtual = (
+                f" (virtual {self.virtual_pipeline_model_parallel_size})"
+                if self.virtual_pipeline_model_parallel_size
+                else ""
+            )
             raise ValueError(
-                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} "
-                f"(virtual {self.virtual_pipeline_model_parallel_size}) is not supported with "
-                f"--bytescale-hdp yet: {PP_SCHEDULE_ISSUE}. Run with "
+                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}{virtual} is "
+                f"not supported with --bytescale-hdp yet: {PP_SCHEDULE_ISSUE}. Run with "
                 "--pipeline-model-parallel-size 1"
             )
         if self.tensor_model_parallel_size != 1:

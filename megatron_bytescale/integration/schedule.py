@@ -166,7 +166,7 @@ def run_hdp_step(
     started_at = time.time()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    records, local_tokens, forward_data_store = _run_micro_batches(
+    records, local_tokens, forward_data_store = run_micro_batches(
         step, model=model, config=config, manager=manager,
         forward_step_func=forward_step_func, counters=counters,
     )  # fmt: skip
@@ -174,7 +174,7 @@ def run_hdp_step(
     micro_batches_done_at = time.time()
     counters.end_step()
 
-    total_tokens = local_tokens.to(_grad_device(model))
+    total_tokens = local_tokens
     reduce0 = time.perf_counter()
     config.finalize_model_grads_func([model], total_tokens)
     reduce_wall_s = time.perf_counter() - reduce0
@@ -209,25 +209,36 @@ def run_hdp_step(
     )
 
 
-def _run_micro_batches(
+def run_micro_batches(
     step: "HDPStep",
     *,
     model: torch.nn.Module,
     config: Any,
     manager: HDPGroupManager,
-    forward_step_func: ForwardStepFunc,
-    counters: "CommCounters",
+    forward_step_func: ForwardStepFunc = hdp_forward_step,
+    counters: Optional["CommCounters"] = None,
+    forward_only: bool = False,
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
-    """This rank's micro-batches in plan order; gradient sync only after the last one."""
+    """This rank's micro-batches of ``step`` in plan order, through megatron-core's step functions.
+
+    Forward (and, unless ``forward_only``, backward) of every micro-batch with the micro-batch
+    bound to ``manager`` so the core attention finds its ring. Gradient sync is deferred with
+    ``config.no_sync_func`` (when set; without overlapped reduction there is nothing to defer)
+    to the last micro-batch; the reduction itself is the caller's (``finalize_model_grads``).
+
+    Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
+    Megatron's ``forward_data_store`` (the loss reports).
+    """
     count = step.num_micro_batches
+    no_sync = config.no_sync_func or contextlib.nullcontext
     records: list[MicroBatchRecord] = []
     forward_data_store: list = []
-    local_tokens = torch.zeros([], dtype=torch.int)
+    local_tokens = torch.zeros([], dtype=torch.int, device=_grad_device(model))
     for index, (planned, tensors) in enumerate(zip(step.micro_batches, step.micro_batch_tensors())):
-        sync = contextlib.nullcontext() if index == count - 1 else config.no_sync_func()
-        traffic = counters.start_micro_batch(planned.order)
+        deferred = not forward_only and index < count - 1
+        traffic = counters.start_micro_batch(planned.order) if counters is not None else None
         busy0, wall0 = time.process_time(), time.perf_counter()
-        with sync, manager.bind(tensors, counters):
+        with (no_sync() if deferred else contextlib.nullcontext()), manager.bind(tensors, counters):
             output, num_tokens = megatron_forward_step(
                 forward_step_func,
                 iter([tensors]),
@@ -238,7 +249,8 @@ def _run_micro_batches(
                 is_first_microbatch=index == 0,
                 current_microbatch=index,
             )
-            megatron_backward_step(output, model, config)
+            if not forward_only:
+                megatron_backward_step(output, model, config)
         local_tokens += num_tokens.to(local_tokens.device)
         records.append(
             MicroBatchRecord(
@@ -246,7 +258,7 @@ def _run_micro_batches(
                 ring_size=planned.ring_size,
                 tokens=planned.num_tokens,
                 loss_tokens=int(num_tokens),
-                p2p_bytes=int(traffic.bytes_sent),
+                p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
                 busy_s=time.process_time() - busy0,
                 wall_s=time.perf_counter() - wall0,
             )
@@ -298,8 +310,6 @@ def check_model_config(config: Any) -> None:
             "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
             "HDP group"
         )
-    if config.no_sync_func is None:
-        raise ValueError("config.no_sync_func is not set; set it to the DDP model's no_sync")
     if getattr(config, "pipeline_model_parallel_size", 1) != 1:
         from .groups import PP_SCHEDULE_ISSUE
 

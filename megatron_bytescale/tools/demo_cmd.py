@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--out",
         default="out/demo",
-        help="directory for results.json and demo.png (default: %(default)s)",
+        help="directory for results.json, cost_model.json and demo.png (default: %(default)s)",
     )
     demo.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
     add_bytescale_args(parser)
@@ -84,6 +84,20 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     from megatron_bytescale.integration.config import ByteScaleConfig
 
     config = ByteScaleConfig.from_args(args)
+    ignored = {"scheduler": "--modes", "hdp": "--modes", "overlong": "--data"}
+    for name, instead in ignored.items():
+        if getattr(config, name) != getattr(ByteScaleConfig(), name):
+            raise ValueError(
+                f"bytescale demo does not take --bytescale-{name}: it runs every mode named by "
+                f"{instead} (static, naive, balance) on the same batches"
+            )
+    if config.cost_model:
+        from megatron_bytescale.planner.cost_model import CostModel
+
+        try:
+            CostModel.load(config.cost_model)
+        except ValueError as exc:
+            raise ValueError(f"--bytescale-cost-model: {exc}") from exc
     capacity = config.capacity or DEFAULT_CAPACITY
     context = config.context_length or args.ranks * capacity
     return DemoSettings(
@@ -106,6 +120,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         align=config.align,
         attention_backend=config.attention_backend,
         check_plan_hash=config.check_plan_hash,
+        plan_prefetch=config.plan_prefetch,
+        cost_model=str(Path(config.cost_model).resolve()) if config.cost_model else None,
         out_dir=str(Path(args.out).resolve()),
     )
 

@@ -43,6 +43,9 @@ class DemoSettings:
     align: int = 1
     attention_backend: str = "auto"
     check_plan_hash: bool = True
+    plan_prefetch: int = 1
+    cost_model: str | None = None
+    """A CostModel JSON to plan with instead of calibrating on this machine."""
     calibration_lengths: tuple[int, ...] = ()
     """Empty: C/8, C/4, C/2, C, 2C and 4C (up to the context length): the quadratic term
     is only measurable at the long lengths the rings carry."""

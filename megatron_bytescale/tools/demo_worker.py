@@ -45,12 +45,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run_demo(settings)
         if dist.get_rank() == 0:
-            path = Path(settings.out_dir) / "results.json"
-            path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+            out = Path(settings.out_dir)
+            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+            # reusable: bytescale demo / pretrain_gpt.py --bytescale-cost-model out/demo/cost_model.json
+            cost_model = results["calibration"]["cost_model"]
+            (out / "cost_model.json").write_text(json.dumps(cost_model, indent=2) + "\n", encoding="utf-8")
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def given_cost_model(path: str, num_layers: int) -> Any:
+    """A :class:`Calibration` holding the cost model of ``path`` (no measurement)."""
+    from megatron_bytescale.integration.calibration import Calibration
+    from megatron_bytescale.planner.cost_model import CostModel
+
+    cost_model = CostModel.load(path)
+    if cost_model.num_layers != num_layers:
+        raise SystemExit(
+            f"--bytescale-cost-model {path} describes {cost_model.num_layers} layers, the demo "
+            f"model has {num_layers}; pass --num-layers {cost_model.num_layers} or fit a new one"
+        )
+    return Calibration(
+        cost_model=cost_model, time_samples=(), activation_samples=(),
+        p2p_bandwidth=cost_model.p2p_bandwidth_intra, p2p_latency_s=cost_model.p2p_latency_s,
+    )  # fmt: skip
 
 
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
@@ -73,6 +93,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         hdp=True, capacity=settings.capacity, context_length=settings.context_length,
         offload=settings.offload, plan_mode=settings.plan_mode, align=settings.align,
         attention_backend=settings.attention_backend, check_plan_hash=settings.check_plan_hash,
+        plan_prefetch=settings.plan_prefetch,
     )  # fmt: skip
     manager = initialize_hdp_model_parallel(attention_backend=config.ring_attention_backend)
     datasets = []
@@ -95,10 +116,13 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.state_dict().items()
     }
     head_dim = settings.hidden_size // settings.num_attention_heads
-    calibration = calibrate_cost_model(
-        first, manager, lengths=settings.effective_calibration_lengths,
-        kv_bytes_per_token=2 * settings.num_query_groups * head_dim * 4, vocab_size=vocab_size,
-    )  # fmt: skip
+    if settings.cost_model:
+        calibration = given_cost_model(settings.cost_model, settings.num_layers)
+    else:
+        calibration = calibrate_cost_model(
+            first, manager, lengths=settings.effective_calibration_lengths,
+            kv_bytes_per_token=2 * settings.num_query_groups * head_dim * 4, vocab_size=vocab_size,
+        )  # fmt: skip
     del first
 
     printer = StepPrinter(
@@ -161,7 +185,7 @@ def train_mode(
     )
     iterator = HDPDataIterator(
         batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
-        check_plan_hash=config.check_plan_hash,
+        check_plan_hash=config.check_plan_hash, prefetch=config.plan_prefetch,
     )  # fmt: skip
     counters = CommCounters()
     rows = []
@@ -230,7 +254,8 @@ class StepPrinter:
             f"capacity C={settings.capacity}, "
             f"context {settings.context_length} (static CP={settings.static_cp_size}), "
             f"{settings.tokens_per_step} tokens/step\n"
-            f"calibrated cost model (per layer, fwd+bwd): T(s) = {cm.alpha1:.3g} s^2 + "
+            f"{'calibrated' if calibration.time_samples else 'given'} cost model "
+            f"(per layer, fwd+bwd): T(s) = {cm.alpha1:.3g} s^2 + "
             f"{cm.beta1:.3g} s + {cm.gamma:.3g} seconds; "
             f"P2P {calibration.p2p_bandwidth / 1e6:.0f} MB/s, "
             f"{calibration.p2p_latency_s * 1e6:.0f} us latency, "

@@ -25,6 +25,8 @@ EXPECTED_FLAGS = {
     "--bytescale-context-length",
     "--bytescale-overlong",
     "--bytescale-attention-backend",
+    "--bytescale-plan-prefetch",
+    "--bytescale-cost-model",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
 }
@@ -90,9 +92,11 @@ def test_values_and_bool_pairs_parse():
 
 def test_capacity_and_context_default_from_megatron_seq_length():
     args = _parser().parse_args([])
-    args.seq_length, args.context_parallel_size = 8192, 4
+    args.seq_length = 8192
     config = ByteScaleConfig.from_args(args)
-    assert config.capacity == 2048 and config.context_length == 8192
+    assert config.capacity == 8192 and config.context_length == 8192
+    args.bytescale_capacity = 2048  # the per-rank share a static CP = 4 run had
+    assert ByteScaleConfig.from_args(args).capacity == 2048
 
 
 @pytest.mark.parametrize(

@@ -83,3 +83,20 @@ def test_demo_runs_end_to_end(tmp_path):
     assert sent["balance"] < sent["static"]
     assert "HDP balance" in done.stdout and "vs static" in done.stdout
     assert (out / "demo.png").stat().st_size > 0
+    # the calibrated cost model is saved for reuse (--bytescale-cost-model) and has the ring
+    # step overhead the CPU calibration measured
+    saved = json.loads((out / "cost_model.json").read_text())
+    assert saved == results["calibration"]["cost_model"]
+    assert saved["ring_step_overhead_s"] >= 0.0 and saved["num_layers"] == 1
+
+
+def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path):
+    from megatron_bytescale.tools.demo_cmd import build_parser, settings_from_args
+
+    parser = build_parser()
+    with pytest.raises(ValueError, match="--bytescale-scheduler.*--modes"):
+        settings_from_args(parser.parse_args(["--bytescale-scheduler", "naive"]))
+    with pytest.raises(ValueError, match="--bytescale-cost-model.*missing.json"):
+        settings_from_args(parser.parse_args(["--bytescale-cost-model", str(tmp_path / "missing.json")]))
+    settings = settings_from_args(parser.parse_args(["--bytescale-plan-prefetch", "0"]))
+    assert settings.plan_prefetch == 0

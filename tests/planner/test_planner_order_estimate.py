@@ -7,7 +7,6 @@ import pytest
 from megatron_bytescale.planner.estimate import estimate_plan
 from megatron_bytescale.planner.order import check_deadlock_free, pipeline_ops, simulate
 from megatron_bytescale.planner.plan import (
-    MicroBatch,
     PlanBuilder,
     PlanError,
     RankPlan,

@@ -1,0 +1,285 @@
+"""The hooks a patched Megatron-LM (tag ``core_v0.16.1``) calls to train with ByteScale HDP.
+
+``patches/megatron-lm-core_v0.16.1.patch`` adds a few calls into this module and nothing else;
+with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unchanged:
+
+* ``pretrain_gpt.py`` passes its dataset provider, GPT builder, forward step and extra-args
+  provider through :func:`wrap_datasets_provider`, :func:`wrap_model_builder`,
+  :func:`wrap_forward_step` and :func:`chain_extra_args_provider`;
+* ``arguments.validate_args`` starts with :func:`check_args` (refuse what HDP cannot serve,
+  naming the flag) and ends with :func:`validate_args` (turn on
+  ``--calculate-per-token-loss``, fill capacity and context defaults);
+* ``training.train`` and ``training.evaluate`` use :func:`hdp_forward_backward` as their
+  ``forward_backward_func``. ``train_step`` calls it once per step with Megatron's fixed
+  ``num_microbatches``; it takes the step's plan from the data iterator instead and runs *this*
+  rank's planned micro-batches (any number, zero included), then returns the per-micro-batch
+  ``[loss_sum, tokens]`` reports that ``train_step`` all-reduces over the data-parallel (= HDP)
+  group into the loss averaged over the global batch's tokens.
+
+The step lives in :mod:`.megatron_lm_step`, the data in :mod:`.megatron_lm_data`; this
+module is the one the patch imports. ``megatron.training`` exists only in a Megatron-LM
+checkout (not in the megatron-core wheel), so it is imported inside functions, and only by the
+hooks that need Megatron's global args.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+from .config import ByteScaleConfig, add_bytescale_args, flag_name
+from .groups import HDPParallelLayout
+from .megatron_lm_data import build_hdp_data_iterators
+from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
+
+__all__ = [
+    "build_hdp_data_iterators",
+    "build_hdp_gpt_model",
+    "chain_extra_args_provider",
+    "check_args",
+    "extra_args_provider",
+    "forward_step",
+    "hdp_forward_backward",
+    "validate_args",
+    "wrap_datasets_provider",
+    "wrap_forward_step",
+    "wrap_model_builder",
+]
+
+logger = logging.getLogger(__name__)
+
+ArgsProvider = Callable[[Any], Any]
+
+# (attribute on Megatron's args, its flag, why HDP refuses it while it is set)
+_REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("overlap_grad_reduce", "--overlap-grad-reduce", "a rank that runs no micro-batch queues "
+     "no gradient bucket in backward, which the overlapped reduction waits for"),
+    ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
+     "token count (per-token loss), never by the number of ranks"),
+    ("rampup_batch_size", "--rampup-batch-size", "an HDP global batch is a fixed token budget"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "HDP runs on Megatron DDP (+ ZeRO-1)"),
+    ("use_legacy_models", "--use-legacy-models", "HDP builds a megatron-core GPTModel"),
+    ("spec", "--spec", "HDP builds its own layer spec (ByteScale core attention)"),
+    ("num_experts", "--num-experts", "MoE has not been validated with HDP"),
+    ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported with HDP"),
+    ("multi_latent_attention", "--multi-latent-attention", "MLA is not supported with HDP"),
+    ("experimental_attention_variant", "--experimental-attention-variant",
+     "HDP replaces the core attention"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
+     "HDP builds a uniform layer spec"),
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
+     "MoE is not supported with HDP"),
+    ("sft", "--sft", "HDP plans documents from --data-path or --mock-data"),
+    ("fim_data", "--fim-data", "HDP plans documents from --data-path or --mock-data"),
+    ("train_data_path", "--train-data-path", "use --data-path (and --split)"),
+    ("valid_data_path", "--valid-data-path", "use --data-path (and --split)"),
+    ("test_data_path", "--test-data-path", "use --data-path (and --split)"),
+    ("data_args_path", "--data-args-path", "use --data-path"),
+    ("per_split_data_args_path", "--per-split-data-args-path", "use --data-path"),
+    ("iterations_to_skip", "--iterations-to-skip", "skipping reads Megatron-format batches; "
+     "HDP steps are whole planned global batches"),
+    ("full_validation", "--full-validation", "HDP validates on token-budget global batches"),
+    ("multiple_validation_sets", "--multiple-validation-sets", "one validation split only"),
+)
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def extra_args_provider(parser: Any) -> Any:
+    """Megatron's ``extra_args_provider``: adds the ``--bytescale-*`` flags."""
+    return add_bytescale_args(parser)
+
+
+def chain_extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
+    """An ``extra_args_provider`` that runs ``other`` (e.g. ModelOpt's) and then adds ours."""
+
+    def provider(parser: Any) -> Any:
+        if other is not None:
+            parser = other(parser)
+        return add_bytescale_args(parser)
+
+    return provider
+
+
+def check_args(args: Any) -> Optional[HDPParallelLayout]:
+    """Refuse, naming the flag, what HDP cannot serve (None, and no check, without the flag).
+
+    Called at the *start* of Megatron's ``validate_args``, so that a request for static CP,
+    hybrid CP or PP gets this message rather than one of Megatron's own CP/PP assertions.
+    """
+    if not getattr(args, "bytescale_hdp", False):
+        return None
+    return _check_hdp_args(args)
+
+
+def _check_hdp_args(args: Any) -> HDPParallelLayout:
+    layout = HDPParallelLayout.from_megatron_args(args)
+    for attribute, flag, why in _REFUSED_FLAGS:
+        if getattr(args, attribute, None):
+            raise ValueError(f"{flag} cannot be combined with --bytescale-hdp: {why}")
+    if float(getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ValueError(
+            f"--attention-dropout {args.attention_dropout} is not supported with --bytescale-hdp "
+            "(the ring attention has no dropout); pass --attention-dropout 0.0"
+        )
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+        raise ValueError(f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
+                         "--bytescale-hdp: micro-batch shapes change every step")
+    if getattr(args, "transformer_impl", "local") == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized cannot be used for HDP training")
+    _check_data_flags(args)
+    return layout
+
+
+def validate_args(args: Any) -> ByteScaleConfig:
+    """Check and complete Megatron's ``args`` for ``--bytescale-hdp`` (no-op without it).
+
+    Called at the *end* of Megatron's ``validate_args`` (after it derived ``seq_length`` and
+    friends). Runs :func:`check_args`, then sets ``calculate_per_token_loss`` (ranks train
+    different numbers of tokens), ``dataloader_type = 'external'`` (the data comes from
+    :func:`build_hdp_data_iterators`) and the capacity / context defaults, and checks them.
+    """
+    if not getattr(args, "bytescale_hdp", False):
+        return ByteScaleConfig(hdp=False)
+    layout = _check_hdp_args(args)
+    if not args.calculate_per_token_loss:
+        logger.info("--bytescale-hdp turns on --calculate-per-token-loss")
+        args.calculate_per_token_loss = True
+    if args.dataloader_type not in (None, "single", "external"):
+        logger.warning("--bytescale-hdp replaces --dataloader-type %s with its own global-batch "
+                       "iterator", args.dataloader_type)
+    args.dataloader_type = "external"
+    explicit_capacity = args.bytescale_capacity is not None
+    config = ByteScaleConfig.from_args(args)
+    if not explicit_capacity:
+        logger.warning(
+            "%s defaults to --seq-length (%s): every document fits on one rank, so HDP only "
+            "packs; set it below the context length to split long documents over rings",
+            flag_name("capacity"), config.capacity,
+        )  # fmt: skip
+    args.bytescale_capacity = config.capacity
+    args.bytescale_context_length = config.context_length
+    capacity, context = config.require_capacity(), int(config.context_length or 0)
+    if not config.offload and context > capacity * layout.hdp_size:
+        raise ValueError(
+            f"{flag_name('context_length')} {context} needs {-(-context // capacity)} ranks of "
+            f"{flag_name('capacity')} {capacity} tokens, but there are {layout.hdp_size} HDP "
+            "ranks; raise the capacity, use more ranks or shorten the context"
+        )
+    max_positions = getattr(args, "max_position_embeddings", None)
+    if max_positions is not None and context > max_positions:
+        raise ValueError(
+            f"{flag_name('context_length')} {context} is longer than --max-position-embeddings "
+            f"{max_positions}: tokens are placed at their position in the original document"
+        )
+    return config
+
+
+def _check_data_flags(args: Any) -> None:
+    if getattr(args, "mock_data", False):
+        return
+    if not getattr(args, "data_path", None):
+        raise ValueError("--bytescale-hdp needs --data-path PREFIX [PREFIX ...] or --mock-data")
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    _, weights = get_blend_from_list(args.data_path)
+    if weights is not None:
+        raise ValueError(
+            f"--data-path {' '.join(args.data_path)}: weighted blends are not supported with "
+            "--bytescale-hdp yet; pass the prefixes without weights (their documents are used "
+            "one after the other, shuffled)"
+        )
+
+
+# ----------------------------------------------------------------------------- groups, model
+
+
+def wrap_model_builder(megatron_builder: Callable[..., Any]) -> Callable[..., Any]:
+    """The GPT builder for ``model_provider``: ours with ``--bytescale-hdp``, else Megatron's."""
+
+    @functools.wraps(megatron_builder)
+    def builder(args, pre_process=True, post_process=True, vp_stage=None, config=None,
+                pg_collection=None):
+        build = build_hdp_gpt_model if getattr(args, "bytescale_hdp", False) else megatron_builder
+        return build(args, pre_process, post_process, vp_stage, config=config,
+                     pg_collection=pg_collection)
+
+    return builder
+
+
+def build_hdp_gpt_model(args: Any, pre_process: bool = True, post_process: bool = True,
+                        vp_stage: Optional[int] = None, *, config: Any = None,
+                        pg_collection: Any = None) -> Any:
+    """``ByteScaleGPTModel`` on Megatron's GPT layer spec with ``ByteScaleCoreAttention``.
+
+    Takes the same arguments as Megatron's ``gpt_builder``; ``config`` defaults to
+    ``core_transformer_config_from_args(args)``.
+    """
+    from .layer_spec import get_bytescale_layer_spec
+    from .model import ByteScaleGPTModel
+
+    hdp_manager(args)
+    if config is None:
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        config = core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine"
+    spec_kwargs: dict[str, Any] = dict(qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+                                       qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)))
+    if not use_te:
+        spec_kwargs["normalization"] = args.normalization
+    spec = get_bytescale_layer_spec(use_transformer_engine=use_te, **spec_kwargs)
+    return ByteScaleGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+# ----------------------------------------------------------------------------- data, step
+
+
+def wrap_datasets_provider(megatron_provider: Callable[..., Any]) -> Callable[..., Any]:
+    """The dataset provider for ``pretrain``: HDP data iterators with ``--bytescale-hdp``.
+
+    With ``dataloader_type == 'external'`` (set by :func:`validate_args`) Megatron wraps what
+    the provider returns in ``RerunDataIterator`` as is, so each ``next()`` yields an
+    ``HDPStep`` (the whole planned global batch) for :func:`hdp_forward_backward`.
+    """
+
+    @functools.wraps(megatron_provider)
+    def provider(*args: Any, **kwargs: Any) -> Any:
+        args_ = megatron_args()
+        if args_ is not None and getattr(args_, "bytescale_hdp", False):
+            return build_hdp_data_iterators(args_)
+        return megatron_provider(*args, **kwargs)
+
+    return provider
+
+
+def wrap_forward_step(megatron_forward_step: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward_step`` for ``pretrain``: :func:`forward_step` with ``--bytescale-hdp``."""
+
+    @functools.wraps(megatron_forward_step)
+    def dispatch(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        args_ = megatron_args()
+        if args_ is not None and getattr(args_, "bytescale_hdp", False):
+            return forward_step(data_iterator, model, *args, **kwargs)
+        return megatron_forward_step(data_iterator, model, *args, **kwargs)
+
+    return dispatch

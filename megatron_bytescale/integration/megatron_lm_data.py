@@ -1,0 +1,367 @@
+"""Global batches of documents for ``pretrain_gpt.py --bytescale-hdp``.
+
+Megatron's GPT datasets cut a stream of concatenated documents into fixed ``--seq-length``
+samples and give every data-parallel rank ``--micro-batch-size`` of them per micro-batch. HDP
+plans *documents* instead: a short document stays whole on one rank, a long one gets a ring of
+the ranks it needs. So under ``--bytescale-hdp`` the data comes from here:
+
+* a :class:`DocumentSource` is a set of documents: their lengths (known up front, from the
+  ``.idx`` file alone or from a seeded generator) and a reader for any token range of one
+  document, used lazily: a rank only reads the tokens of the pieces its micro-batches hold;
+* :func:`budget_batches` walks the documents in a seeded order (reshuffled every epoch),
+  cuts a document longer than the context into context-length sequences (as a Megatron dataset
+  splits long documents into samples), and fills each global batch with a fixed number of
+  tokens (``--global-batch-size x --seq-length``, the same token count per step as a
+  Megatron run with the same flags); the sequence that would overflow a batch is cut and its
+  remainder opens the next batch. The walk reads lengths only, so resuming at step k skips k
+  batches without reading a token.
+
+Every rank builds the same batches (same seed, same documents): the HDP planner then plans
+each batch identically on every rank (DESIGN.md D7).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from megatron_bytescale.data.hdp_iterator import GlobalBatch
+
+from .config import ByteScaleConfig
+
+logger = logging.getLogger(__name__)
+
+#: A sequence needs two tokens to carry one next-token label.
+MIN_TOKENS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class DocumentSource:
+    """Documents: ``lengths[d]`` tokens each, and ``read(d, start, length)`` for their tokens."""
+
+    name: str
+    lengths: np.ndarray
+    read: Callable[[int, int, int], np.ndarray]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """Tokens ``[start, start + length)`` of document ``doc``: one sequence of a global batch."""
+
+    doc: int
+    start: int
+    length: int
+
+
+class PieceTokens(Sequence):
+    """The tokens of a global batch's sequences, read from the source only when asked for."""
+
+    def __init__(self, source: DocumentSource, pieces: Sequence[Piece]) -> None:
+        self._source = source
+        self._pieces = tuple(pieces)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Which document range each sequence of the batch is."""
+        return self._pieces
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        piece = self._pieces[index]
+        tokens = np.asarray(self._source.read(piece.doc, piece.start, piece.length))
+        if len(tokens) != piece.length:
+            raise ValueError(
+                f"{self._source.name}: document {piece.doc} returned {len(tokens)} tokens for "
+                f"[{piece.start}, {piece.start + piece.length}); is the .bin file truncated?"
+            )
+        return tokens.astype(np.int64, copy=False)
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def budget_batches(
+    source: DocumentSource,
+    *,
+    tokens_per_batch: int,
+    context_length: int,
+    seed: int,
+    shuffle: bool = True,
+    skip_batches: int = 0,
+) -> Iterator[GlobalBatch]:
+    """Endless global batches of ``tokens_per_batch`` tokens (see the module docstring).
+
+    Args:
+        skip_batches: batches to pass over first (resuming after ``skip_batches`` steps);
+            costs no token reads.
+    """
+    if tokens_per_batch < MIN_TOKENS or context_length < MIN_TOKENS:
+        raise ValueError(
+            f"tokens per global batch ({tokens_per_batch}) and the context length "
+            f"({context_length}) must be at least {MIN_TOKENS}"
+        )
+    if not np.any(source.lengths >= MIN_TOKENS):
+        raise ValueError(f"{source.name}: no document has at least {MIN_TOKENS} tokens")
+    step = 0
+    for pieces in _batch_pieces(source, tokens_per_batch, context_length, seed, shuffle):
+        if step >= skip_batches:
+            yield GlobalBatch(
+                lengths=tuple(p.length for p in pieces),
+                tokens_by_seq=PieceTokens(source, pieces),
+                meta={"source": source.name, "batch": step},
+            )
+        step += 1
+
+
+def _batch_pieces(
+    source: DocumentSource, budget: int, context: int, seed: int, shuffle: bool
+) -> Iterator[list[Piece]]:
+    current: list[Piece] = []
+    filled = 0
+    epoch = 0
+    while True:
+        order = (
+            np.random.default_rng([seed, epoch]).permutation(source.num_documents)
+            if shuffle
+            else np.arange(source.num_documents)
+        )
+        for doc in order:
+            doc = int(doc)
+            length = int(source.lengths[doc])
+            for sequence_start in range(0, length, context):
+                # one context-length sequence of the document, spread over batches if needed
+                cursor, remaining = sequence_start, min(context, length - sequence_start)
+                while remaining >= MIN_TOKENS:  # (the batch always has >= MIN_TOKENS room here)
+                    take = min(remaining, budget - filled)
+                    current.append(Piece(doc=doc, start=cursor, length=take))
+                    filled += take
+                    cursor, remaining = cursor + take, remaining - take
+                    if budget - filled < MIN_TOKENS:
+                        yield current
+                        current, filled = [], 0
+        epoch += 1
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def split_bounds(split: Sequence[float], num_documents: int) -> list[tuple[int, int]]:
+    """Document ranges of the train / valid / test splits, as Megatron's GPT datasets cut them.
+
+    ``split`` is the normalised ``--split`` vector (``parse_and_normalize_split``); each
+    split's range is its book-ends times the document count, rounded (megatron-core's rule).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+
+    bounds = []
+    for bookends in convert_split_vector_to_split_matrix(list(split)):
+        if bookends is None:
+            bounds.append((0, 0))
+        else:
+            lo, hi = bookends
+            bounds.append((int(round(lo * num_documents)), int(round(hi * num_documents))))
+    return bounds
+
+
+def indexed_document_source(
+    prefixes: Sequence[str], *, split: Sequence[float], split_index: int
+) -> Optional[DocumentSource]:
+    """The ``split_index``-th split (0 train, 1 valid, 2 test) of Megatron indexed datasets.
+
+    Documents follow each dataset's ``document_indices`` (a document may span several
+    sequences when the data was preprocessed with ``--split-sentences``); each prefix is split
+    separately and the prefixes' documents are concatenated. ``None`` if the split is empty.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from .indexed_tokens import is_indexed_prefix
+
+    lengths: list[np.ndarray] = []
+    readers: list[Callable[[int, int, int], np.ndarray]] = []
+    for prefix in prefixes:
+        if not is_indexed_prefix(prefix):
+            raise ValueError(
+                f"--data-path {prefix}: expected a Megatron indexed dataset {prefix}.bin + "
+                f"{prefix}.idx (written by tools/preprocess_data.py)"
+            )
+        dataset = IndexedDataset(str(prefix))
+        seq_lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+        bounds = np.asarray(dataset.document_indices, dtype=np.int64)
+        seq_offsets = np.concatenate([[0], np.cumsum(seq_lengths)])
+        doc_lengths = seq_offsets[bounds[1:]] - seq_offsets[bounds[:-1]]
+        lo, hi = split_bounds(split, len(doc_lengths))[split_index]
+        lengths.append(doc_lengths[lo:hi])
+        readers.append(_document_reader(dataset, bounds[lo:hi + 1], seq_lengths))
+    if not lengths or sum(len(x) for x in lengths) == 0:
+        return None
+    starts = np.cumsum([0] + [len(x) for x in lengths])
+
+    def read(doc: int, start: int, length: int) -> np.ndarray:
+        k = int(np.searchsorted(starts, doc, side="right")) - 1
+        return readers[k](doc - int(starts[k]), start, length)
+
+    return DocumentSource(
+        name=f"{','.join(prefixes)}[split {split_index}]",
+        lengths=np.concatenate(lengths),
+        read=read,
+    )
+
+
+def _document_reader(
+    dataset, bounds: np.ndarray, seq_lengths: np.ndarray
+) -> Callable[[int, int, int], np.ndarray]:
+    def read(doc: int, start: int, length: int) -> np.ndarray:
+        first, last = int(bounds[doc]), int(bounds[doc + 1])
+        parts, skip = [], start
+        for seq in range(first, last):
+            n = int(seq_lengths[seq])
+            if skip >= n:
+                skip -= n
+                continue
+            take = min(n - skip, length - sum(len(p) for p in parts))
+            parts.append(np.asarray(dataset.get(seq, offset=skip, length=take)))
+            skip = 0
+            if sum(len(p) for p in parts) == length:
+                break
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    return read
+
+
+def mock_document_source(
+    *, vocab_size: int, context_length: int, num_tokens: int, seed: int
+) -> DocumentSource:
+    """Synthetic documents for ``--mock-data``: long-tailed lengths, random tokens.
+
+    Lengths are log-normal with median 1/16 of the context (log-space std 1.5), clipped to
+    the context: many short documents and a few context-length ones, so that HDP packs most of
+    them and forms rings for the rest. They depend on the context, not on the capacity or the
+    number of ranks, so runs that differ only in those train on the same data. Tokens are
+    uniform in the vocabulary, drawn from a generator seeded per document (every rank reads
+    the same tokens).
+    """
+    from megatron_bytescale.data.synthetic import lognormal
+
+    lengths = lognormal(
+        num_tokens, seed=seed, max_length=context_length, median=max(1.0, context_length / 16),
+        sigma=1.5,
+    )
+
+    def read(doc: int, start: int, length: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, doc])
+        tokens = rng.integers(0, vocab_size, int(lengths[doc]), dtype=np.int64)
+        return tokens[start : start + length]
+
+    return DocumentSource(name=f"mock(seed={seed})", lengths=lengths, read=read)
+
+
+# ----------------------------------------------------------------------------- from Megatron's args
+
+
+def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
+    """Train / valid / test ``HDPDataIterator`` s (None for an empty split).
+
+    A global batch holds ``--global-batch-size x --seq-length`` tokens of whole documents
+    (cut at ``--bytescale-context-length``); resuming skips the global batches already
+    consumed (``consumed_*_samples // global_batch_size``).
+    """
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+
+    from .megatron_lm_step import hdp_manager
+    from .planning import make_step_planner
+
+    manager = hdp_manager(args)
+    config = ByteScaleConfig.from_args(args)
+    cost_model = cost_model_from_args(args, config)
+    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model)
+    tokens_per_batch = int(args.global_batch_size) * int(args.seq_length)
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if torch.cuda.is_available() else None)
+    consumed = (getattr(args, "consumed_train_samples", 0) or 0,
+                getattr(args, "consumed_valid_samples", 0) or 0, 0)
+    iterators = []
+    for split_index in range(3):
+        source = _document_source(args, config, split_index, tokens_per_batch)
+        if source is None:
+            iterators.append(None)
+            continue
+        batches = budget_batches(
+            source, tokens_per_batch=tokens_per_batch, context_length=config.context_length,
+            seed=int(args.seed) + split_index,
+            skip_batches=int(consumed[split_index]) // int(args.global_batch_size),
+        )  # fmt: skip
+        iterators.append(HDPDataIterator(
+            batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
+            check_plan_hash=config.check_plan_hash, device=device,
+            prefetch=config.plan_prefetch,
+        ))  # fmt: skip
+        if split_index == 0 and manager.rank == 0:
+            logger.info(
+                "ByteScale HDP: %d HDP ranks, capacity %d, context %d, scheduler %s, %d tokens "
+                "per global batch from %s", manager.size, config.capacity,
+                config.context_length, config.scheduler, tokens_per_batch, source.name,
+            )  # fmt: skip
+    return tuple(iterators)  # type: ignore[return-value]
+
+
+def _document_source(args: Any, config: ByteScaleConfig, split_index: int, tokens_per_batch: int):
+    if getattr(args, "mock_data", False):
+        return mock_document_source(
+            vocab_size=int(args.padded_vocab_size), context_length=int(config.context_length),
+            num_tokens=16 * tokens_per_batch, seed=int(args.seed) + 1000 * (split_index + 1),
+        )  # fmt: skip
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    prefixes, _ = get_blend_from_list(args.data_path)
+    split = parse_and_normalize_split(args.split or "969,30,1")
+    return indexed_document_source(prefixes, split=split, split_index=split_index)
+
+
+def cost_model_from_args(args: Any, config: ByteScaleConfig | None = None) -> Any:
+    """The planner's cost model: ``--bytescale-cost-model`` JSON if given, else the analytic
+    model of this model (Megatron's flags) on an H100-class GPU."""
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.presets import ModelSpec, analytic_cost_model, hardware_spec
+
+    if config is not None and config.cost_model:
+        try:
+            model = CostModel.load(config.cost_model)
+        except ValueError as exc:
+            raise ValueError(f"--bytescale-cost-model {config.cost_model}: {exc}") from exc
+        if model.num_layers != int(args.num_layers):
+            raise ValueError(
+                f"--bytescale-cost-model {config.cost_model} describes {model.num_layers} layers, "
+                f"the model has --num-layers {args.num_layers}; fit it on this model"
+            )
+        return model
+
+    heads = int(args.num_attention_heads)
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    spec = ModelSpec(
+        name="megatron-args",
+        num_layers=int(args.num_layers),
+        hidden_size=int(args.hidden_size),
+        num_attention_heads=heads,
+        num_query_groups=int(groups or heads),
+        ffn_hidden_size=int(args.ffn_hidden_size or 4 * args.hidden_size),
+        vocab_size=int(args.padded_vocab_size),
+        tensor_parallel_size=int(args.tensor_model_parallel_size),
+        dtype_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
+    )
+    return analytic_cost_model(spec, hardware_spec("h100"))
