@@ -11,12 +11,13 @@ and a progress bar while it runs.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks_md import machine_line, write_section  # noqa: E402
+from benchmarks_md import IMG_DIR, machine_line, write_section  # noqa: E402
 
 from megatron_bytescale.tools.demo_cmd import (  # noqa: E402
     build_parser,
@@ -34,7 +35,11 @@ def main(argv: list[str]) -> int:
     settings = settings_from_args(args)
     results = run_demo_job(settings)
     print_report(results, plot=True, out_dir=Path(settings.out_dir))
-    write_section("demo", benchmark_markdown(results, machine_line()))
+    IMG_DIR.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(settings.out_dir) / "demo.png", IMG_DIR / "demo.png")
+    body = benchmark_markdown(results, machine_line())
+    body += "\n\n![loss curves and busy time per rank, per mode and dataset](img/demo.png)\n"
+    write_section("demo", body)
     print("wrote section 'demo' of docs/benchmarks.md")
     return 0
 

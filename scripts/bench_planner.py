@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
+from benchmarks_md import IMG_DIR, machine_line, markdown_table, write_section  # noqa: E402
 
 from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
 from megatron_bytescale.planner.presets import fig6a_comparison, preset_cost_model  # noqa: E402
@@ -210,10 +210,18 @@ many ranks it gets); the last ratio is step time over the larger of the two boun
 ### Cost model against paper Fig. 6(a) (LLaMA-7B, TP 8 assumed, per layer fwd+bwd)
 
 {fig6}
+
+### The four schedulers on the Byted-like batch, 1,024 ranks (`bytescale plan --compare --plot`)
+
+![Gantt chart of the four schedulers](img/planner_gantt.png)
 """
     if args.no_write:
         print(body)
     else:
+        from megatron_bytescale.tools import plan_cmd
+
+        progress("drawing the Gantt chart ...")
+        plan_cmd.main(["--compare", "--plot", str(IMG_DIR / "planner_gantt.png")])
         write_section("planner", body)
         progress("wrote section 'planner' of docs/benchmarks.md")
         print(body)

@@ -13,6 +13,8 @@ from pathlib import Path
 import os
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+IMG_DIR = BENCHMARKS_MD.parent / "img"
+"""Plots referenced from docs/benchmarks.md (and the README)."""
 HEADER = "# Benchmarks\n\nEvery table here is written by a script in `scripts/bench_*.py`; rerun it to refresh.\n"
 
 
