@@ -61,6 +61,19 @@ def test_plans_are_valid_and_deterministic(scheduler, batch, offload):
         assert all(mb.offload_ratio == 0 for rp in plan.ranks for mb in rp.micro_batches)
 
 
+@pytest.mark.parametrize("scheduler", ["naive", "balance"])
+@SETTINGS
+@given(batch=batches(), offload=st.booleans(), pp_size=st.sampled_from([1, 2]))
+def test_hdp_keeps_short_sequences_local(scheduler, batch, offload, pp_size):
+    # data-aware sharding (paper §5.1): a sequence shorter than C never communicates
+    plan = _plan(batch, scheduler, offload=offload, pp_size=pp_size)
+    lengths = plan.sequence_lengths()
+    for rp in plan.ranks:
+        for mb in rp.micro_batches:
+            if mb.ring_size > 1:
+                assert all(lengths[sid] >= plan.capacity for sid in mb.seqs), (mb.ring, mb.seqs)
+
+
 @pytest.mark.parametrize("scheduler", ["naive", "balance", "static"])
 @SETTINGS
 @given(batch=batches(), pp_size=st.sampled_from([2, 4, 8]))

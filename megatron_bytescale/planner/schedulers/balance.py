@@ -6,7 +6,8 @@ sequence on D(s) ranks from Eq. 3). Then:
 1. **Widening** (our addition; the paper is silent). Eq. 3's D(s) is the *fewest* ranks a
    sequence may use. A 2M-token sequence on D(s) ranks can take longer than the whole step's
    lower bound ``LB = total rank-seconds / d_hdp``, and no assignment can then balance. Every
-   unit whose per-rank time exceeds LB (LB / pp_size with PP: a micro-batch crosses every stage)
+   long unit (one holding a sequence of at least C tokens: packs of short sequences stay on
+   one rank and never communicate, as in the paper) whose per-rank time exceeds LB (LB / pp_size with PP: a micro-batch crosses every stage)
    gets the smallest ring (up to d_hdp) that brings it under that, or within 2 % of the fastest
    any ring size gives when its communication floor is above it, with the smallest offload ratio
    that still fits (often none). A widening is kept only if it lowers max(LB, the unit's time);
@@ -105,8 +106,8 @@ def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_siz
         target = work / n / pp_size
         changed = False
         for k, u in enumerate(units):
-            if u.time <= target * (1 + 1e-9) or u.ring_size >= n:
-                continue
+            if u.time <= target * (1 + 1e-9) or u.ring_size >= n or max(u.lengths) < ctx.capacity:
+                continue  # packs of short sequences never communicate (paper §5.1)
             w = _smallest_ring_under(u, target, ctx, n)
             # only if it lowers the bound max(work / n, this unit's time): a wider ring costs more
             # rank-seconds (gamma and communication per member), which can outweigh the gain
