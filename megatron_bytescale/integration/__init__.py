@@ -37,6 +37,8 @@ _EXPORTS = {
     "make_transformer_config": "training",
     "build_gpt_model": "training",
     "wrap_for_hdp": "training",
+    "seed_model_parallel": "training",
+    "run_micro_batches": "schedule",
     "make_step_planner": "planning",
     "run_hdp_step": "schedule",
     "hdp_forward_step": "schedule",

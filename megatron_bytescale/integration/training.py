@@ -33,6 +33,17 @@ from .model import ByteScaleGPTModel
 logger = logging.getLogger(__name__)
 
 
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (needed before building a model).
+
+    On CPU this relies on ``testing.cpu_compat`` having redirected megatron's CUDA RNG calls.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def make_transformer_config(
     *,
     num_layers: int,

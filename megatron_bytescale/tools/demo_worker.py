@@ -75,12 +75,14 @@ def given_cost_model(path: str, num_layers: int) -> Any:
 
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
     """Train every dataset x mode; return (on rank 0) everything the report needs."""
-    from megatron.core import tensor_parallel
-
     from megatron_bytescale.integration.calibration import calibrate_cost_model
     from megatron_bytescale.integration.config import ByteScaleConfig
     from megatron_bytescale.integration.groups import initialize_hdp_model_parallel
-    from megatron_bytescale.integration.training import build_gpt_model, make_transformer_config
+    from megatron_bytescale.integration.training import (
+        build_gpt_model,
+        make_transformer_config,
+        seed_model_parallel,
+    )
     from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
 
     if torch.cuda.is_available():
@@ -102,7 +104,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         datasets.append((name, batches, description))
     vocab_size = max(vocab_size_of(b) for _, b, _ in datasets)
 
-    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    seed_model_parallel(settings.seed)
     torch.manual_seed(settings.seed)
     model_config = make_transformer_config(
         num_layers=settings.num_layers, hidden_size=settings.hidden_size,
