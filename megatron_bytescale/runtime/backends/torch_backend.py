@@ -187,7 +187,7 @@ class MathBackend(AttentionBackend):
     def forward(self, q, k, v, segments: Segments, *, causal: bool, scale: float):
         outs, lses = [], []
         for qa, qb, ka, kb in segments:
-            o, l = _cpu_forward(q[qa:qb], k[ka:kb], v[ka:kb], causal, scale)
+            o, l = self._forward_segment(q[qa:qb], k[ka:kb], v[ka:kb], causal, scale)
             outs.append(o)
             lses.append(l)
         return _pack(outs), _pack(lses)
@@ -195,7 +195,7 @@ class MathBackend(AttentionBackend):
     def backward(self, dout, q, k, v, out, lse, segments: Segments, *, causal: bool, scale: float):
         dqs, dks, dvs = [], [], []
         for qa, qb, ka, kb in segments:
-            dq, dk, dv = _cpu_backward(
+            dq, dk, dv = self._backward_segment(
                 dout[qa:qb], q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb], lse[qa:qb], causal, scale
             )
             dqs.append(dq)
