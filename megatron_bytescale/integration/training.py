@@ -6,7 +6,8 @@ These helpers only set what HDP requires and leave everything else to the caller
   ``DistributedDataParallelConfig(average_in_collective=False)`` (Megatron requires it with
   per-token loss);
 * ``config.no_sync_func`` / ``config.finalize_model_grads_func`` so the schedule driver
-  defers gradient sync to the last micro-batch and reduces over the HDP group;
+  defers gradient sync to the last micro-batch and reduces over the HDP group, and
+  ``config.grad_scale_func`` (the optimizer's loss scale: fp16 loss scaling);
 * the optimizer: Megatron's **distributed optimizer** (ZeRO-1 sharded over the HDP group,
   paper §5.1) when CUDA is available; on a CPU-only machine plain Megatron DDP + Adam with
   ``clip_grad=0``, because the distributed optimizer rejects CPU tensors ("Wrapped parameters
@@ -162,6 +163,9 @@ def wrap_for_hdp(
         params_dtype=config.params_dtype,
     )
     optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    # as Megatron-LM's training loop does: backward_step scales the loss by the optimizer's loss
+    # scale, which the fp16 optimizer divides out of the gradients again
+    config.grad_scale_func = optimizer.scale_loss
     logger.info(
         "HDP training: DDP over the HDP group, %s optimizer",
         "distributed (ZeRO-1)" if distributed_optimizer else "replicated",

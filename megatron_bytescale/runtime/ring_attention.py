@@ -31,6 +31,7 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
 
 from .backends import AttentionBackend, get_backend
 from .counters import CommCounters, MicroBatchCommStats, timed
@@ -122,8 +123,15 @@ def verify_ring_layout(
     if ring.is_local:
         return
     digest = hashlib.sha256(repr((layout.fingerprint(), tuple(extra))).encode()).digest()
+    device = (  # NCCL sends CUDA tensors only
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(hdp.group) == "nccl"
+        else torch.device("cpu")
+    )
     mine = torch.tensor(
-        [layout.num_tokens, ring.size, int.from_bytes(digest[:7], "little")], dtype=torch.int64
+        [layout.num_tokens, ring.size, int.from_bytes(digest[:7], "little")],
+        dtype=torch.int64,
+        device=device,
     )
     comm = RingComm(hdp, ring, tag=_TAG_CHECK)
     from_prev = comm.recv(torch.empty_like(mine), ring.prev_rank)

@@ -218,6 +218,8 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         )
         step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
         grads = grab_grads_before_step(ddp, optimizer)
+        if scheduler == "balance":
+            out["grad_scale_func"] = ddp.config.grad_scale_func == optimizer.scale_loss
         record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
         info = {
             "ring_sizes": sorted(set(step.plan.ring_sizes())),

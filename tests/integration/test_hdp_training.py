@@ -47,6 +47,11 @@ def test_one_step_matches_single_process_reference(results, scheduler):
     assert worst <= TOLERANCE, f"{scheduler}: max relative gradient error {worst:.2e}"
 
 
+def test_loss_is_scaled_by_the_optimizer(results):
+    """fp16 optimizers divide the gradients by their loss scale, so the backward must scale."""
+    assert all(r["grad_scale_func"] for r in results)
+
+
 def test_hdp_sends_less_than_static(results):
     sent = {s: sum(r["grad"][s]["p2p_bytes"] for r in results) for s in ("balance", "static")}
     assert 0 < sent["balance"] < sent["static"]

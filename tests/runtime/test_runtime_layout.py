@@ -188,6 +188,11 @@ def test_device_argument_moves_tensors():
     mb = build_micro_batch(builder.build(scheduler="t"), 0, 0, {0: list(range(1, 7))}, device="cpu")
     assert mb.tokens.tolist() == [1, 2, 3, 4, 5, 6] and mb.labels.tolist() == [2, 3, 4, 5, 6, 0]
     assert mb.tokens.device.type == "cpu" and mb.offload_ratio == 0.0
+    # another device (meta: no data, but a real move), every tensor of the micro-batch
+    plan = builder.build(scheduler="t")
+    moved = build_micro_batch(plan, 0, 0, {0: list(range(1, 7))}, device="meta")
+    tensors = (moved.tokens, moved.labels, moved.loss_mask, moved.position_ids)
+    assert all(t.device.type == "meta" for t in tensors) and moved.num_loss_tokens == 5
 
 
 def test_runtime_never_imports_megatron():
