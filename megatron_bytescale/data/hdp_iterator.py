@@ -133,7 +133,8 @@ class HDPDataIterator:
         hdp: the runtime's ``HDPGroup`` (Megatron's data-parallel group under HDP).
         plan_mode: ``"every_rank"`` or ``"rank0_broadcast"`` (see the module docstring).
         check_plan_hash: all-gather and compare plan hashes every step.
-        device: where micro-batch tensors are built (None: the runtime's default).
+        device: where micro-batch tensors are built (None: the HDP group's device, i.e. the
+            current GPU under NCCL and the CPU under gloo).
         prefetch: global batches read and planned ahead on a background thread
             (``every_rank`` mode only; 0 plans in the training thread).
     """
@@ -158,7 +159,7 @@ class HDPDataIterator:
         self.hdp = hdp
         self.plan_mode = plan_mode
         self.check_plan_hash = check_plan_hash
-        self.device = device
+        self.device = device if device is not None else hdp.device
         self._step = 0
         background = plan_mode == "every_rank" or hdp.size == 1
         self.prefetch = prefetch if background else 0
@@ -315,6 +316,6 @@ def check_plan_hashes(plan_hash: str, hdp: "HDPGroup", *, step: int = 0) -> None
 
 def collective_device(group: Any) -> torch.device:
     """The device a collective on ``group`` needs its tensors on (NCCL: the current GPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from megatron_bytescale.runtime.hdp_group import collective_device as runtime_device
+
+    return runtime_device(group)

@@ -2,8 +2,8 @@
 
 The planner needs per-layer ``T(s) = alpha1 s^2 + beta1 s + gamma`` and ``Act(s)`` of *this*
 model on *this* machine. HDP rank 0 measures them (forward + backward of one sequence of a few
-lengths on a ring of size 1, CPU time per layer; activation bytes saved for backward, per
-layer) and fits :meth:`CostModel.fit`; it also times P2P exchanges between two HDP ranks for
+lengths on a ring of size 1, per layer: CPU time on CPU, synchronised wall time on CUDA;
+activation bytes saved for backward, per layer) and fits :meth:`CostModel.fit`; it also times P2P exchanges between two HDP ranks for
 the ring's latency and bandwidth. Then all ranks run a few ring micro-batches together (rings of
 2 and of all ranks) and rank 0 fits the ring step overhead: what a ring costs beyond its
 kernels and the link time (on CPU, gloo copies on the same cores that compute, so rings are
@@ -178,18 +178,28 @@ def _time_micro_batch(
             saved[0] += t.numel() * t.element_size()
             return t
 
-        start = time.process_time()
+        start = _busy_clock(micro_batch.tokens.device)
         with manager.bind(micro_batch), torch.autograd.graph.saved_tensors_hooks(
             pack, lambda t: t
         ):
             output, loss_func = hdp_forward_step(iter([micro_batch]), model)
             loss, _, _ = loss_func(output)
         loss.backward()
-        elapsed = time.process_time() - start
+        elapsed = _busy_clock(micro_batch.tokens.device) - start
         if attempt:
             best = min(best, elapsed)
     model.zero_grad(set_to_none=True)
     return best, saved[0]
+
+
+def _busy_clock(device: torch.device) -> float:
+    """Seconds for timing work on ``device``: CPU time of this process on the CPU (4 ranks may
+    share 2 cores, and waiting for a core is not work), wall time after a device synchronise on
+    CUDA (kernels run asynchronously; the host would only see launch time)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return time.process_time()
 
 
 def _measure_ring_overhead(
@@ -264,6 +274,8 @@ def measure_p2p_link(
             recv = torch.empty_like(send)
             best = float("inf")
             for _ in range(repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 ops = [
                     dist.P2POp(dist.isend, send, peer, group=hdp.group),
@@ -271,6 +283,8 @@ def measure_p2p_link(
                 ]
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
+                if device.type == "cuda":  # NCCL's wait() only orders streams
+                    torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - start)
             return best
 

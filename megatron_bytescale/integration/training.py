@@ -26,6 +26,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .layer_spec import get_bytescale_layer_spec
@@ -148,6 +149,9 @@ def wrap_for_hdp(
         average_in_collective=False,
         bucket_size=bucket_size,
     )
+    if config.fp16 or config.bf16:
+        # as Megatron-LM's get_model does: half-precision weights, fp32 logits out
+        model = Float16Module(config, model)
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync
     config.finalize_model_grads_func = finalize_model_grads

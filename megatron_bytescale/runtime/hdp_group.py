@@ -109,13 +109,18 @@ class HDPGroup:
             raise RuntimeError(
                 f"HDP group reports size {self._size} but {len(self._global_ranks)} global ranks"
             )
-        if dist.get_backend(self._group) == "nccl":
-            warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        if uses_nccl(self._group):
+            warm = torch.zeros(1, device=collective_device(self._group))
             dist.all_reduce(warm, group=self._group)
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self._group
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for this group's collectives and P2P must live (NCCL: this GPU)."""
+        return collective_device(self._group)
 
     @property
     def rank(self) -> int:
@@ -172,3 +177,15 @@ class HDPGroup:
 
     def __repr__(self) -> str:
         return f"HDPGroup(rank={self._rank}, size={self._size})"
+
+
+def uses_nccl(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` communicates CUDA tensors through NCCL (also "cpu:gloo,cuda:nccl")."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a collective or P2P on ``group`` needs its tensors on (NCCL: the current GPU)."""
+    if uses_nccl(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -31,7 +31,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from .backends import AttentionBackend, get_backend
 from .counters import CommCounters, MicroBatchCommStats, timed
@@ -123,11 +122,7 @@ def verify_ring_layout(
     if ring.is_local:
         return
     digest = hashlib.sha256(repr((layout.fingerprint(), tuple(extra))).encode()).digest()
-    device = (  # NCCL sends CUDA tensors only
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(hdp.group) == "nccl"
-        else torch.device("cpu")
-    )
+    device = hdp.device  # NCCL sends CUDA tensors only
     mine = torch.tensor(
         [layout.num_tokens, ring.size, int.from_bytes(digest[:7], "little")],
         dtype=torch.int64,

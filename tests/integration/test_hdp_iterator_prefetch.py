@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megatron_bytescale.data.hdp_iterator import HDPDataIterator
 from megatron_bytescale.planner.plan import PlanBuilder
@@ -15,6 +16,7 @@ class _SingleRank:
     """The parts of ``runtime.HDPGroup`` the iterator touches, for a group of one rank."""
 
     rank, size, group = 0, 1, None
+    device = torch.device("cpu")
 
     def global_rank(self, hdp_rank: int) -> int:
         return hdp_rank
