@@ -106,6 +106,20 @@ def _resolve_record(
     return counters.current() if isinstance(counters, CommCounters) else counters
 
 
+def _start_call(
+    counters: CommCounters | MicroBatchCommStats | None,
+) -> MicroBatchCommStats | None:
+    """The micro-batch record a forward call charges, with the call counted."""
+    record = _resolve_record(counters)
+    if record is not None:
+        record.attention_calls += 1
+    return record
+
+
+def _softmax_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
 def verify_ring_layout(
     layout: AttentionLayout, hdp: HDPGroup, *, extra: tuple[int, ...] = ()
 ) -> None:
@@ -275,10 +289,8 @@ def ring_attention_forward(
     Padding rows get ``out = 0`` and ``lse = -inf``.
     """
     _check_inputs(q, k, v, layout, hdp)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    record = _resolve_record(counters)
-    if record is not None:
-        record.attention_calls += 1
+    scale = _softmax_scale(q, softmax_scale)
+    record = _start_call(counters)
     return _forward(q, k, v, layout, hdp, scale, _resolve_backend(backend, q), record)
 
 
@@ -303,7 +315,7 @@ def ring_attention_backward(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must match q {tuple(q.shape)}, "
             f"lse {tuple(lse.shape)} must be {tuple(q.shape[:2])}"
         )
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _softmax_scale(q, softmax_scale)
     return _backward(
         dout,
         q,
@@ -377,12 +389,10 @@ def ring_attention(
     """
     _check_inputs(q, k, v, layout, hdp)
     impl = _resolve_backend(backend, q)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _softmax_scale(q, softmax_scale)
     if verify_peers:
         verify_ring_layout(
             layout, hdp, extra=(q.shape[1], k.shape[1], q.shape[2], q.element_size())
         )
-    record = _resolve_record(counters)
-    if record is not None:
-        record.attention_calls += 1
+    record = _start_call(counters)
     return _RingAttentionFunction.apply(q, k, v, layout, hdp, scale, impl, record)

@@ -65,13 +65,7 @@ class FlashAttnBackend(AttentionBackend):
             cu_k,
             segments.max_q,
             segments.max_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
+            **_varlen_options(scale, causal),
             return_softmax=False,
         )
         return out, lse_NT.transpose(0, 1)
@@ -94,14 +88,21 @@ class FlashAttnBackend(AttentionBackend):
             cu_k,
             segments.max_q,
             segments.max_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
+            **_varlen_options(scale, causal),
             deterministic=False,
             rng_state=None,
         )
         return dq, dk, dv
+
+
+def _varlen_options(scale: float, causal: bool) -> dict:
+    """Keyword arguments shared by flash-attn's varlen forward and backward (>= 2.7)."""
+    return dict(
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+    )

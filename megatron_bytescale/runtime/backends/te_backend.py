@@ -80,6 +80,22 @@ class TEBackend(AttentionBackend):
     def _mask(self, causal: bool) -> str:
         return "padding_causal" if causal else "padding"
 
+    def _thd_options(self, cu_q, cu_k, scale: float, causal: bool) -> dict:
+        """Keyword arguments shared by fused_attn_fwd and fused_attn_bwd for packed THD.
+
+        ``cu_seqlens_*_padded`` are the per-sequence offsets cuDNN reads in THD layouts; with
+        no padding between sequences they equal ``cu_seqlens``.
+        """
+        return dict(
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv_padded=cu_k,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="thd_thd_thd",
+            attn_bias_type="no_bias",
+            attn_mask_type=self._mask(causal),
+        )
+
     # ------------------------------------------------------------------ interface
     def forward(self, q, k, v, segments: Segments, *, causal: bool, scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # TE reads [T, N, H] by pointer
@@ -95,13 +111,7 @@ class TEBackend(AttentionBackend):
             v,
             q.dtype,
             self._fused_backend,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv_padded=cu_k,
-            attn_scale=scale,
-            dropout=0.0,
-            qkv_layout="thd_thd_thd",
-            attn_bias_type="no_bias",
-            attn_mask_type=self._mask(causal),
+            **self._thd_options(cu_q, cu_k, scale, causal),
             **({"o_format": "thd"} if self._explicit_formats else {}),
         )
         stats = aux[0]
@@ -131,13 +141,7 @@ class TEBackend(AttentionBackend):
             *dtypes,
             [stats, rng_state],
             self._fused_backend,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv_padded=cu_k,
-            attn_scale=scale,
-            dropout=0.0,
-            qkv_layout="thd_thd_thd",
-            attn_bias_type="no_bias",
-            attn_mask_type=self._mask(causal),
+            **self._thd_options(cu_q, cu_k, scale, causal),
             **formats,
         )
         return grads[0], grads[1], grads[2]
