@@ -11,11 +11,15 @@ Planning (D7) happens in one of two modes:
 
 * ``every_rank``: each rank plans the same lengths with the same deterministic planner; no
   communication is needed to agree.
-* ``rank0_broadcast``: HDP rank 0 plans and broadcasts the plan's JSON; useful when planning
-  is expensive or could differ between ranks (library versions, a timing-based cost model).
+* ``rank0_broadcast``: rank 0 of the plan group plans and broadcasts the plan's JSON; useful
+  when planning is expensive or could differ between ranks (library versions, a timing-based
+  cost model).
 
 In both modes every rank then all-gathers the plan's 32-byte content hash and stops with an
 error naming the disagreeing ranks if the hashes differ, before any rank trains on the plan.
+The *plan group* is every process by default: with tensor or pipeline parallelism there is
+one HDP group per (TP rank, stage), and all TP ranks and stages of a model replica must run the
+same row of the same plan (DESIGN.md D11), so agreement is checked across the whole world.
 
 Planning off the critical path (the paper's prefetching loader, §7): in ``every_rank`` mode the
 iterator reads and plans the next ``prefetch`` global batches on a background thread while
@@ -137,6 +141,9 @@ class HDPDataIterator:
             current GPU under NCCL and the CPU under gloo).
         prefetch: global batches read and planned ahead on a background thread
             (``every_rank`` mode only; 0 plans in the training thread).
+        plan_group: the process group whose ranks must all train on the same plan (the
+            broadcast and hash check run over it); default every process (the world group),
+            which covers the TP ranks and pipeline stages of every model replica.
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class HDPDataIterator:
         check_plan_hash: bool = True,
         device: Optional[torch.device | str] = None,
         prefetch: int = 1,
+        plan_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if plan_mode not in ("every_rank", "rank0_broadcast"):
             raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
@@ -161,7 +169,8 @@ class HDPDataIterator:
         self.check_plan_hash = check_plan_hash
         self.device = device if device is not None else hdp.device
         self._step = 0
-        background = plan_mode == "every_rank" or hdp.size == 1
+        self.plan_group = plan_group
+        background = plan_mode == "every_rank" or _group_size(self._agreement_group()) == 1
         self.prefetch = prefetch if background else 0
         self._executor: ThreadPoolExecutor | None = None
         self._pending: deque[Future] = deque()
@@ -189,7 +198,7 @@ class HDPDataIterator:
             )
         plan_hash = plan.content_hash()
         if self.check_plan_hash:
-            check_plan_hashes(plan_hash, self.hdp, step=self._step)
+            check_plan_hashes(plan_hash, self._agreement_group(), step=self._step)
         step = HDPStep(
             index=self._step,
             plan=plan,
@@ -238,13 +247,22 @@ class HDPDataIterator:
         plan = self._plan(list(batch.lengths))
         return batch, plan, time.perf_counter() - start
 
+    def _agreement_group(self) -> Optional[dist.ProcessGroup]:
+        """The plan group (None: a single process, nothing to agree on)."""
+        if self.plan_group is not None:
+            return self.plan_group
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+
     def _plan(self, lengths: list[int]) -> StepPlan:
-        if self.plan_mode == "every_rank" or self.hdp.size == 1:
+        group = self._agreement_group()
+        if self.plan_mode == "every_rank" or _group_size(group) == 1:
             return self._planner(lengths).validate()
         payload: list[Any] = [None]
-        if self.hdp.rank == 0:
+        if dist.get_rank(group) == 0:
             payload[0] = self._planner(lengths).validate().to_json()
-        dist.broadcast_object_list(payload, src=self.hdp.global_rank(0), group=self.hdp.group)
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
         return StepPlan.from_json(payload[0])
 
     def _builder(self, plan: StepPlan, batch: GlobalBatch) -> Callable[[int], "MicroBatchTensors"]:
@@ -288,27 +306,34 @@ class PlannedTokens(Mapping):
         return len(self._lengths)
 
 
-def check_plan_hashes(plan_hash: str, hdp: "HDPGroup", *, step: int = 0) -> None:
-    """All-gather the plan hash over the HDP group; raise on every rank if they differ.
+def check_plan_hashes(
+    plan_hash: str, group: "dist.ProcessGroup | HDPGroup | None", *, step: int = 0
+) -> None:
+    """All-gather the plan hash over ``group``; raise on every rank if they differ.
 
-    Every rank sees every hash, so every rank raises the same error and none is left waiting
-    in a later collective.
+    ``group`` is a process group (the world: every TP rank and stage too) or an ``HDPGroup``
+    (its ranks are then named as HDP ranks); None means one process. Every rank sees every
+    hash, so every rank raises the same error and none is left waiting in a later collective.
     """
-    if hdp.size == 1:
+    label = "ranks"
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group, label = group.group, "HDP ranks"  # an HDPGroup
+    size = _group_size(group)
+    if size == 1:
         return
-    device = collective_device(hdp.group)
+    device = collective_device(group)
     mine = torch.tensor(list(bytes.fromhex(plan_hash)), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(hdp.size)]
-    dist.all_gather(gathered, mine, group=hdp.group)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
     hashes = [bytes(t.cpu().tolist()).hex() for t in gathered]
     if len(set(hashes)) == 1:
         return
     by_hash: dict[str, list[int]] = {}
     for rank, h in enumerate(hashes):
         by_hash.setdefault(h, []).append(rank)
-    groups = "; ".join(f"HDP ranks {ranks} have {h[:12]}" for h, ranks in by_hash.items())
+    groups = "; ".join(f"{label} {ranks} have {h[:12]}" for h, ranks in by_hash.items())
     raise PlanMismatchError(
-        f"step {step}: the HDP ranks planned different steps ({groups}). Planning must be "
+        f"step {step}: the ranks planned different steps ({groups}). Planning must be "
         "deterministic on every rank: check that all ranks read the same global batch and use "
         "the same cost model, or plan on rank 0 with --bytescale-plan-mode rank0_broadcast"
     )
@@ -319,3 +344,7 @@ def collective_device(group: Any) -> torch.device:
     from megatron_bytescale.runtime.hdp_group import collective_device as runtime_device
 
     return runtime_device(group)
+
+
+def _group_size(group: "dist.ProcessGroup | None") -> int:
+    return 1 if group is None else dist.get_world_size(group)
