@@ -51,6 +51,11 @@ class MicroBatchCosts:
     seq_lengths: np.ndarray
     holders: dict[int, list[int]]
     """order -> the ranks whose lists hold that micro-batch."""
+    sum_p: np.ndarray | None = None
+    """``sum(P_j)`` per micro-batch: with ``sum_p2`` and ``intra_node`` the inputs of
+    :meth:`CostModel.ring_time_from_sums` (the simulator splits ``seconds`` into its terms)."""
+    sum_p2: np.ndarray | None = None
+    intra_node: np.ndarray | None = None
 
 
 def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
@@ -72,7 +77,8 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
         z = np.zeros(0)
         zi = z.astype(np.int64)
         return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, offload=z,
-                               seq_owner=zi, seq_lengths=zi, holders={})
+                               seq_owner=zi, seq_lengths=zi, holders={}, sum_p=z, sum_p2=z,
+                               intra_node=zi.astype(bool))
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
@@ -104,7 +110,8 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
     all_layers = plan.layers_per_stage * plan.pp_size
     p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
     return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
-                           offload=offload, seq_owner=owner_arr, seq_lengths=s, holders=holders)
+                           offload=offload, seq_owner=owner_arr, seq_lengths=s, holders=holders,
+                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra)
 
 
 def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16) -> float:

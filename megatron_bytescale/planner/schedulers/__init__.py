@@ -54,6 +54,7 @@ def make_plan(
     delta: float = DEFAULT_DELTA,
     num_buckets: int = DEFAULT_NUM_BUCKETS,
     estimate: bool = True,
+    pieces: bool = True,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -73,6 +74,10 @@ def make_plan(
         delta: Alg. 2's threshold as a fraction of the max rank time.
         num_buckets: Alg. 2's equal-work buckets (PP-Balance).
         estimate: attach :func:`..estimate.estimate_plan`'s estimate to the plan.
+        pieces: False builds a timing-only plan: the same rings, sequences and orders, but no
+            token pieces (``meta["pieces"] = False``; ``validate()`` rejects it and the runtime
+            cannot train it). The simulator uses it: splitting every document of a 2M-token
+            static bin over 256 ranks costs more than the whole schedule at scale.
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -86,7 +91,7 @@ def make_plan(
     request = build_request(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
-        delta=delta, num_buckets=num_buckets,
+        delta=delta, num_buckets=num_buckets, pieces=pieces,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
