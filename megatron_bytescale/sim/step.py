@@ -29,6 +29,7 @@ import numpy as np
 from ..planner.cost_model import CostModel
 from ..planner.estimate import critical_path, simulate_plan
 from ..planner.plan import StepPlan
+from ..planner.topology import Topology
 from .overheads import StepOverheads
 
 BREAKDOWN_TERMS = ("compute", "exposed_comm", "step_overhead", "exposed_offload", "idle")
@@ -65,6 +66,8 @@ class StepResult:
     """GPU-seconds of the micro-batch phase by term (:data:`BREAKDOWN_TERMS`), over all HDP
     ranks and PP stages of one TP rank; ``comm`` is all P2P link time, hidden or not."""
     p2p_bytes: float
+    inter_node_p2p_bytes: float
+    """The part of ``p2p_bytes`` that crosses a node boundary."""
     micro_batch_counts: tuple[int, ...]
     ring_sizes: dict[int, int]
     """Ring size -> number of micro-batches with it."""
@@ -108,7 +111,7 @@ class StepResult:
             "mean_rank_busy_s": float(self.rank_busy_s.mean()) if len(self.rank_busy_s) else 0.0,
             "min_rank_busy_s": float(self.rank_busy_s.min()) if len(self.rank_busy_s) else 0.0,
             "breakdown_gpu_s": dict(self.breakdown),
-            "p2p_bytes": self.p2p_bytes,
+            "p2p_bytes": self.p2p_bytes, "inter_node_p2p_bytes": self.inter_node_p2p_bytes,
             "micro_batches_per_rank": {"min": min(self.micro_batch_counts, default=0),
                                        "max": max(self.micro_batch_counts, default=0)},
             "ring_sizes": {str(k): v for k, v in sorted(self.ring_sizes.items())},
@@ -129,6 +132,7 @@ def simulate_step(
     plan_s: float = 0.0,
     lookahead: bool = False,
     tensor_parallel_size: int = 1,
+    topology: Topology | None = None,
     name: str | None = None,
 ) -> StepResult:
     """Simulate one training step of ``plan`` (see the module docstring).
@@ -142,12 +146,16 @@ def simulate_step(
         plan_s: seconds it took to plan this step (``overheads.plan_s`` wins when set).
         lookahead: the plan and data were prepared during the previous step.
         tensor_parallel_size: GPUs per pipeline stage (only for per-GPU throughput).
+        topology: where the HDP ranks sit (default: the plan's ``meta["topology"]``, else the
+            cost model's ``ranks_per_node``): ring steps and the gradient reduction run at the
+            NVLink rate only when all their ranks share a node.
         name: label of the result (default: the plan's scheduler).
     """
     overheads = overheads or StepOverheads()
     if overheads.plan_s is not None:
         plan_s = overheads.plan_s
-    costs, timeline = simulate_plan(plan, cost_model)
+    topo = Topology.for_plan(plan, cost_model, topology)
+    costs, timeline = simulate_plan(plan, cost_model, topology=topo)
     n, pp = plan.hdp_size, plan.pp_size
     finish = np.asarray(timeline.rank_finish_s, dtype=np.float64)
     phase = float(finish.max()) if n else 0.0
@@ -168,7 +176,7 @@ def simulate_step(
     breakdown["idle"] = max(0.0, phase * n * pp - sum(breakdown.values()))
     breakdown["comm"] = float(np.sum(np.asarray(terms.comm) * members))
 
-    reduce_s = overheads.grad_reduce_s(n, cost_model)
+    reduce_s = overheads.grad_reduce_s(n, cost_model, one_node=topo.ring_is_intra_node(range(n)))
     optimizer_s = overheads.optimizer_s(n)
     wait = overheads.data_wait_s(plan_s, phase + reduce_s + optimizer_s, lookahead=lookahead)
     counts = tuple(plan.micro_batch_counts())
@@ -189,9 +197,10 @@ def simulate_step(
         rank_busy_s=busy,
         rank_finish_s=finish,
         lower_bound_s=float(np.sum(costs.seconds * costs.ring_sizes)) / n if n else 0.0,
-        critical_path_s=critical_path(plan, cost_model, costs),
+        critical_path_s=critical_path(plan, cost_model, costs, topology=topo),
         breakdown=breakdown,
         p2p_bytes=float(np.sum(costs.p2p_bytes)),
+        inter_node_p2p_bytes=float(np.sum(costs.inter_node_bytes)),
         micro_batch_counts=counts,
         ring_sizes=dict(sorted(Counter(costs.ring_sizes.tolist()).items())),
         offloaded_micro_batches=int(np.sum(costs.offload > 0)),

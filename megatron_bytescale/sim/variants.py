@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..planner.cost_model import CostModel
 from ..planner.schedulers import make_plan
+from ..planner.topology import Topology
 from .overheads import StepOverheads
 from .step import StepResult, simulate_step
 
@@ -93,8 +94,8 @@ class ClusterSetup:
     delta: float = 0.05
     num_buckets: int = 4
     overheads: StepOverheads = field(default_factory=StepOverheads)
-    plan_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of :func:`make_plan` (e.g. ``topology``)."""
+    topology: Topology | None = None
+    """Where the HDP ranks sit (None: ``cost_model.ranks_per_node`` consecutive ranks per node)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
@@ -123,7 +124,7 @@ def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_len
         cost_model=setup.cost_model, pp_size=setup.pp_size, offload=variant.offload,
         overlong=setup.overlong, align=setup.align, context_length=context_length,
         delta=setup.delta, num_buckets=setup.num_buckets, estimate=False, pieces=False,
-        **setup.plan_kwargs,
+        topology=setup.topology,
     )
     return plan, time.perf_counter() - start
 
@@ -159,7 +160,7 @@ def simulate_variants(
             outcome = VariantOutcome(variant=variant, result=simulate_step(
                 plan, setup.cost_model, overheads=setup.overheads, plan_s=seconds,
                 lookahead=variant.lookahead, tensor_parallel_size=setup.tensor_parallel_size,
-                name=variant.name,
+                topology=setup.topology, name=variant.name,
             ))
         out.append(outcome)
         if on_result is not None:
