@@ -176,21 +176,29 @@ def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False
 
 def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
     """PP = 1 fast path: process micro-batches in ascending order (valid plans only: every
-    rank's list ascends, so this is the same schedule :func:`.order.simulate` computes)."""
+    rank's list ascends, so this is the same schedule :func:`.order.simulate` computes).
+
+    A barrier holds back what comes after it until everything before it is done; a rank's time
+    is the end of its own last micro-batch (0 without any), as in :func:`.order.simulate`.
+    """
     members = costs.holders
     barriers = sorted(set(int(b) for b in plan.meta.get("barrier_after_orders", []) or []))
     free = np.zeros(plan.hdp_size)
+    latest = released = 0.0  # the latest end so far; when the last barrier passed lets ranks go
     bi = 0
     for o, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
         while bi < len(barriers) and barriers[bi] < o:
-            free[:] = free.max()
+            released = latest
             bi += 1
         ranks = members[o]
         if len(ranks) == 1:
-            free[ranks[0]] += t
+            end = max(free[ranks[0]], released) + t
+            free[ranks[0]] = end
         else:
             idx = np.asarray(ranks)
-            free[idx] = free[idx].max() + t
+            end = max(float(free[idx].max()), released) + t
+            free[idx] = end
+        latest = max(latest, end)
     return free
 
 
