@@ -118,6 +118,7 @@ class ByteScaleCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             backend=manager.attention_backend,
             counters=manager.counters,
+            dkv_wire=manager.dkv_wire,
         )
         return out_TNH.reshape(out_TNH.size(0), 1, -1)
 

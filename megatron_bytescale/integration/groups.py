@@ -127,16 +127,26 @@ class HDPGroupManager:
     Args:
         hdp: the runtime's ``HDPGroup`` over Megatron's data-parallel group.
         attention_backend: passed to ``runtime.ring_attention`` (None lets it choose).
+        dkv_wire: dtype of the dK/dV accumulators on the ring (``runtime.dkv_wire_dtype``).
     """
 
-    def __init__(self, hdp: "HDPGroup", *, attention_backend: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        hdp: "HDPGroup",
+        *,
+        attention_backend: Optional[str] = None,
+        dkv_wire: str = "accumulator",
+    ) -> None:
         self.hdp = hdp
         self.attention_backend = attention_backend
+        self.dkv_wire = dkv_wire
         self._current: "MicroBatchTensors | None" = None
         self._counters: "CommCounters | None" = None
 
     @classmethod
-    def from_megatron(cls, *, attention_backend: Optional[str] = None) -> "HDPGroupManager":
+    def from_megatron(
+        cls, *, attention_backend: Optional[str] = None, dkv_wire: str = "accumulator"
+    ) -> "HDPGroupManager":
         """Wrap Megatron's (already initialised) data-parallel group as the HDP group."""
         from megatron.core import parallel_state
 
@@ -149,7 +159,7 @@ class HDPGroupManager:
                 "(use initialize_hdp_model_parallel)"
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return cls(HDPGroup(group), attention_backend=attention_backend)
+        return cls(HDPGroup(group), attention_backend=attention_backend, dkv_wire=dkv_wire)
 
     @property
     def rank(self) -> int:
@@ -222,6 +232,7 @@ def initialize_hdp_model_parallel(
     context_parallel_size: int = 1,
     hybrid_context_parallel: bool = False,
     attention_backend: Optional[str] = None,
+    dkv_wire: str = "accumulator",
     **megatron_kwargs: Any,
 ) -> HDPGroupManager:
     """Initialise Megatron for HDP (CP = 1, DP = d_hdp) and install the HDP group manager.
@@ -257,7 +268,7 @@ def initialize_hdp_model_parallel(
             hybrid_context_parallel=False,
             **megatron_kwargs,
         )
-    manager = HDPGroupManager.from_megatron(attention_backend=attention_backend)
+    manager = HDPGroupManager.from_megatron(attention_backend=attention_backend, dkv_wire=dkv_wire)
     if manager.size != layout.hdp_size:
         raise RuntimeError(
             f"Megatron's data-parallel group has {manager.size} ranks, expected the HDP size "
