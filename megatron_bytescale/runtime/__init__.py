@@ -25,6 +25,7 @@ from .layout import (
     layout_for,
     make_attention_layout,
 )
+from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats
 from .online_softmax import merge_partial_attention
 from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens
 from .ring_attention import (
@@ -59,6 +60,7 @@ __all__ = [
     "ring_backward_step",
     "ring_forward_step",
     "start_ring_forward",
+    "ActivationOffloader",
     "AttentionBackend",
     "AttentionLayout",
     "BACKEND_NAMES",
@@ -66,7 +68,9 @@ __all__ = [
     "HDPGroup",
     "MathBackend",
     "MicroBatchCommStats",
+    "MicroBatchOffload",
     "MicroBatchTensors",
+    "OffloadStats",
     "PAD_TOKEN_ID",
     "Ring",
     "RingComm",

@@ -88,7 +88,7 @@ def grab_grads_before_step(ddp, optimizer) -> dict[str, torch.Tensor]:
 
 
 def reference_loss_and_grads(
-    config, initial_state, sequences
+    config, initial_state, sequences, **model_kwargs: Any
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, megatron's own local GPT, every sequence alone with full causal attention."""
     from megatron.core.models.gpt import GPTModel
@@ -100,6 +100,7 @@ def reference_loss_and_grads(
         vocab_size=VOCAB,
         max_sequence_length=CONTEXT,
         position_embedding_type="rope",
+        **model_kwargs,
     )
     model.load_state_dict(initial_state)
     total = torch.zeros([])
@@ -322,4 +323,36 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = None
     except PlanMismatchError as exc:
         out["mismatch"] = str(exc)
+    out["planning_failures"] = _planning_failures(good, sequences, manager, rank)
+    return out
+
+
+def _planning_failures(good, sequences, manager, rank: int) -> dict[str, str]:
+    """A rank whose planner raises stops every rank (no one waits in a later collective), and
+    the batch is planned again by the next call on every rank."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+
+    def flaky(failing_rank: int):
+        calls = [0]
+
+        def plan(lengths_: list[int]):
+            calls[0] += 1
+            if rank == failing_rank and calls[0] == 1:
+                raise ValueError(f"rank {rank} cannot plan")
+            return good(lengths_)
+
+        return plan
+
+    out = {}
+    for name, mode, failing in (("every_rank", "every_rank", 2), ("broadcast", "rank0_broadcast", 0)):
+        iterator = HDPDataIterator([sequences, sequences[:3]], planner=flaky(failing),
+                                   hdp=manager.hdp, plan_mode=mode)
+        try:
+            next(iterator)
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[name] = f"{type(exc).__name__}: {exc}"
+        step = next(iterator)  # the same batch again, planned this time
+        out[name + "_retry"] = f"{step.index} {len(step.plan.sequences)}"
+        iterator.close()
     return out

@@ -28,6 +28,7 @@ EXPECTED_FLAGS = {
     "--bytescale-dkv-wire-dtype",
     "--bytescale-plan-prefetch",
     "--bytescale-cost-model",
+    "--bytescale-ranks-per-node",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
 }

@@ -89,8 +89,8 @@ def test_validate_accepts_an_even_split_and_states_its_parts():
     [
         ({0: [(3, 6)], 1: [(0, 3), (6, 10)]}, "not a contiguous zigzag split"),  # middle part on 0
         ({0: [(8, 10), (0, 3)], 1: [(3, 6), (6, 8)]}, "not a contiguous zigzag split"),  # local order
-        ({0: [(0, 3), (8, 10)], 1: [(3, 6), (7, 8)]}, "not a contiguous zigzag split"),  # a gap
-        ({0: [(0, 3), (5, 10)], 1: [(3, 6), (6, 8)]}, "not a contiguous zigzag split"),  # overlap
+        ({0: [(0, 3), (8, 10)], 1: [(3, 6), (7, 8)]}, "tokens 6-6 are missing"),  # a gap
+        ({0: [(0, 3), (5, 10)], 1: [(3, 6), (6, 8)]}, "tokens 5-5 overlap"),  # overlap
         ({0: [(0, 2), (2, 3), (8, 10)], 1: [(3, 6), (6, 8)]}, "holds 3 pieces"),
         ({0: [(0, 3), (8, 8), (8, 10)], 1: [(3, 6), (6, 8)]}, "is empty"),
     ],
