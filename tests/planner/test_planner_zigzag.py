@@ -75,6 +75,12 @@ def test_share_by_hand(key):
     assert got == SHARES[key]
 
 
+def test_align_defaults_to_one_and_an_empty_sequence_holds_nothing():
+    assert zigzag_chunk(10, 2) == 3 and zigzag_parts(10, 2) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert zigzag_share(10, 2, 0) == [(0, 3), (9, 10)]
+    assert zigzag_share(0, 1, 0) == [] and zigzag_share(0, 3, 1) == []
+
+
 def test_parts_and_part_ids_by_hand():
     assert zigzag_parts(10, 2, 4) == [(0, 4), (4, 8), (8, 10), (10, 10)]
     assert zigzag_parts(23, 3, 3) == [(0, 6), (6, 12), (12, 18), (18, 23), (23, 23), (23, 23)]
