@@ -197,7 +197,8 @@ TARGETS = [
            PLANNER_TESTS + ("tests/planner/test_planner_order_estimate.py",)),
     Target("order", "planner/order.py (order, deadlock check)", "megatron_bytescale/planner/order.py",
            ("x_pipeline_ops", "x_rank_orders", "x__barrier_segments", "x_simulate", "x_check_deadlock_free"),
-           ("tests/planner/test_planner_order_estimate.py", "tests/integration/test_guards.py")),
+           ("tests/planner/test_planner_order_by_hand.py", "tests/planner/test_planner_order_estimate.py",
+            "tests/integration/test_guards.py")),
     # PP-Balance (pp_balance, _best_pp_plan, _place_rings_aligned, _place_runs) is left out: it
     # misses the quality bound today (strict xfail in test_planner_balance_scale.py), and pinning
     # its current output with tests would freeze a placement that is known to need work
@@ -207,8 +208,7 @@ TARGETS = [
             "x__best_dp_assignment", "x__makespan", "x_dp_balance", "x__place_ring", "xǁ_Holesǁ*"),
            ("tests/planner/test_planner_balance_units.py",
             "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
-            "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py",
-            "tests/planner/test_planner_properties.py::test_balance_is_never_worse_than_naive")),
+            "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py")),
     Target("online_softmax", "runtime/online_softmax.py", "megatron_bytescale/runtime/online_softmax.py",
            ("*",), ("tests/runtime/test_runtime_online_softmax.py",)),
     Target("loss", "integration/schedule.py (token-level loss, config guard)",
@@ -235,6 +235,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # planner/plan.py
     ("*plan.x__check_piece_order__*", r"last = -1  ->  last = -2",
      "positions in seqs are >= 0: any negative start lets the first piece pass"),
+    ("*plan.x__validate__*", r"plan\.capacity \+ 1e-9", TOLERANCE),
     ("*plan.x__validate__*", r"what = \"overlap\" if start < pos else",
      "inside `if start != pos`, start == pos cannot happen"),
     ("*plan.x_resident_tokens__*", r"if l <= 2 or .*  ->  if l < 2 or",
@@ -284,6 +285,19 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "a ring time equal to the aim to the last bit"),
     ("*balance.x__smallest_ring_under__*", r"return ctx\.resize\(u, hi\) if hi != u\.ring_size else u",
      "resize returns the unit unchanged for its own ring size"),
+    ("*balance.x__best_dp_assignment__*", r"default=0\.0\)  ->  .*default=1\.0\)",
+     "with no units the LPT makespan is 0, which either default lets return early"),
+    ("*balance.x__best_dp_assignment__*", r"if candidates\[0\]\[2\] <= floor:  ->  if candidates\[0\]\[2\] < floor:",
+     "the other candidates run Eq. 3's units, whose longest takes `floor`: they cannot beat an "
+     "LPT makespan equal to it, and min keeps the first of equal candidates (only planning "
+     "time changes)"),
+    ("*balance.x__place_ring__*", r"if topo\.ring_nodes\(ring\) > topo\.min_nodes\(d\) \+ 1:",
+     "differs only for a load-only ring on exactly min + 1 nodes; on_nodes(d, min + 1) then "
+     "returns the earliest start on min + 1 nodes, which that ring already has: the same start "
+     "and time, members chosen among equally loaded ranks"),
+    ("*balance.x_widen_for_balance__*", r"if n <= 1 or not units:  ->  if n (<= 1 and|< 1 or) not units:",
+     "with one rank no unit is slower than the lower bound (the sum of all units), so the loop "
+     "changes nothing"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),

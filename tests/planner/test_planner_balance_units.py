@@ -90,3 +90,65 @@ def test_the_bisection_finds_the_smallest_ring_between_two_grid_points():
     assert units[0].time == pytest.approx(0.39)
     widened, grown = widen_for_balance(list(units), ctx(64), 64)
     assert grown == 1 and widened[0].ring_size == 39 and widened[0].time == pytest.approx(0.2)
+    assert type(widened[0].ring_size) is int
+
+
+def test_the_fallback_candidates_win_on_tiny_batches():
+    """On tiny batches a greedy can lose by chance, and balance keeps the fastest of three
+    candidates: LPT on the widened units, LPT on Eq. 3's units, and Alg. 1's fill."""
+    fast = small_cost_model(p2p_bandwidth_inter=1e10, p2p_bandwidth_intra=1e11)
+    plan = make_plan([55, 75], scheduler="balance", hdp_size=6, capacity=50, cost_model=fast, offload=False)
+    assert (plan.meta["assignment"], plan.meta["widened_units"]) == ("lpt-eq3", 0)
+    naive = make_plan([55, 75], scheduler="naive", hdp_size=6, capacity=50, cost_model=fast, offload=False)
+    assert plan.estimate.step_time_s <= naive.estimate.step_time_s
+    lengths = [139, 249, 234]
+    plan = make_plan(lengths, scheduler="balance", hdp_size=3, capacity=100, cost_model=small_cost_model(),
+                     offload=False)
+    naive = make_plan(lengths, scheduler="naive", hdp_size=3, capacity=100, cost_model=small_cost_model(),
+                      offload=False)
+    # Alg. 1's fill of the same units: naive's plan (and nothing was widened)
+    assert (plan.meta["assignment"], plan.meta["widened_units"]) == ("fill", 0)
+    assert plan.estimate.step_time_s == naive.estimate.step_time_s
+    assert [[mb.ring for mb in r.micro_batches] for r in plan.ranks] == \
+           [[mb.ring for mb in r.micro_batches] for r in naive.ranks]
+
+
+def test_two_long_units_each_get_the_smallest_ring_under_the_same_bound():
+    # two 4,000-token sequences on 4 ranks (1.0 s, 4 rank-s each) and 8 packs of 500 (0.5 s):
+    # LB = 12 / 16 = 0.75 s; each goes to 6 ranks (0.668 s), the bound hardly moves (12.016 / 16)
+    units = [unit(0, 4000, ring=4), unit(1, 4000, ring=4)] + [unit(i, 500) for i in range(2, 10)]
+    widened, grown = widen_for_balance(list(units), ctx(16), 16)
+    assert grown == 2 and [u.ring_size for u in widened[:2]] == [6, 6]
+
+
+def test_two_ranks_can_still_widen_a_single():
+    # 1,000 tokens = C on one rank (1.0 s) and a pack of 200 (0.2 s): LB = 0.6; 2 ranks: 0.5 s
+    widened, grown = widen_for_balance([unit(0, 1000), unit(1, 200)], ctx(2), 2)
+    assert grown == 1 and widened[0].ring_size == 2
+
+
+def test_pipeline_balance_widens_against_the_per_stage_bound():
+    """2 layers on 2 stages (1 layer each). Two 4,000-token sequences (1.0 s per stage on 4
+    ranks) and 8 packs of 500: LB = 12 / 8 = 1.5 s per stage, and a micro-batch crosses both
+    stages, so the target is 0.75 s: 6 ranks (0.668 s), not 4 (which LB alone would keep)."""
+    cm2 = CM.with_(num_layers=2)
+    plan = make_plan([4000, 4000] + [500] * 8, scheduler="balance", hdp_size=8, capacity=1000,
+                     cost_model=cm2, pp_size=2, offload=False)
+    rings = {s: mb.ring_size for rp in plan.ranks for mb in rp.micro_batches for s in mb.seqs}
+    assert (plan.meta["assignment"], plan.meta["widened_units"]) == ("pp-runs", 2)
+    assert rings[0] == rings[1] == 6
+
+
+@pytest.mark.parametrize("lengths, n, capacity, fast, assignment", [
+    ([229, 168], 5, 100, False, "lpt"),
+    ([44, 80, 74], 3, 50, True, "fill"),
+])
+def test_balance_emits_the_fastest_candidate(lengths, n, capacity, fast, assignment):
+    """Found by search: cases where ranking the fill candidate by a wrong makespan (rings
+    charged like singles, or every ring waiting for the busiest rank) emits a slower plan."""
+    cm = small_cost_model(p2p_bandwidth_inter=1e10, p2p_bandwidth_intra=1e11) if fast else small_cost_model()
+    kw = dict(hdp_size=n, capacity=capacity, cost_model=cm, offload=False)
+    plan = make_plan(lengths, scheduler="balance", **kw)
+    naive = make_plan(lengths, scheduler="naive", **kw)  # the fill candidate, estimated alone
+    assert plan.meta["assignment"] == assignment
+    assert plan.estimate.step_time_s <= naive.estimate.step_time_s * (1 + 1e-12)
