@@ -33,6 +33,8 @@ setup(
         "megatron-lm": MEGATRON_LM_EXTRAS,
         "test": ["pytest>=7", "hypothesis>=6.80", *MEGATRON_LM_EXTRAS],
         "ray": ["ray>=2.9"],
+        # scripts/mutation_check.py (not part of the test suite)
+        "mutation": ["mutmut==3.8.1"],
     },
     entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},
 )

@@ -50,6 +50,7 @@ from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTING_MD = ROOT / "docs" / "testing.md"
+RESULTS = ROOT / "docs" / "mutation_check.json"
 PKG = "megatron_bytescale"
 
 
@@ -224,7 +225,8 @@ TARGETS = [
            ("x_build_hdp_data_iterators", "x_budget_batches"),
            ("tests/integration/test_resume_offset.py",
             "tests/integration/test_megatron_lm_hooks.py::test_budget_batches_resume_and_shuffle"),
-           lines=r"skip_batches|skips\b|consumed_|\bstep (>=|\+=|=) "),
+           lines=r"skips = .*|consumed_\w+.*|skip_batches=skips\[split_index\]|skip_batches: int = 0"
+                 r"|if step >= skip_batches|step = 0|step \+= 1"),
 ]
 
 # Surviving mutants that no test can kill, with the reason. Keyed by (mutant-name glob, a regex
@@ -298,6 +300,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x_widen_for_balance__*", r"if n <= 1 or not units:  ->  if n (<= 1 and|< 1 or) not units:",
      "with one rank no unit is slower than the lower bound (the sum of all units), so the loop "
      "changes nothing"),
+    # integration/batch_schedule.py
+    ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"while len\(self\._sizes\) < steps:  ->  .*<= steps:",
+     "computes one step more than asked: every size depends only on the samples consumed before it"),
+    ("*batch_schedule.xǁGlobalBatchScheduleǁsamples__*", r"self\._extend\(step \+ 1\)  ->  self\._extend\(step \+ 2\)",
+     "computes one step more than asked: every size depends only on the samples consumed before it"),
+    ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"consistency_check=False\)  ->  .*consistency_check=None\)",
+     "None is as false as False"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),
@@ -351,6 +360,20 @@ def _mutations(mutants_file: Path, module: str) -> dict[str, str]:
     return out
 
 
+def _touches(pattern: str, mutation: str) -> bool:
+    """Whether the part of the original text that the mutation changes overlaps a match of
+    ``pattern`` (a call line may carry the resume offset next to unrelated arguments)."""
+    before, _, after = mutation.partition("  ->  ")
+    i = 0
+    while i < min(len(before), len(after)) and before[i] == after[i]:
+        i += 1
+    j = 0
+    while j < min(len(before), len(after)) - i and before[-1 - j] == after[-1 - j]:
+        j += 1
+    lo, hi = i, max(i + 1, len(before) - j)
+    return any(m.start() < hi and lo < m.end() for m in re.finditer(pattern, before))
+
+
 def _justification(name: str, mutation: str) -> str | None:
     for glob, pattern, reason in EQUIVALENT:
         if fnmatch.fnmatch(name, glob) and re.search(pattern, mutation):
@@ -383,7 +406,7 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
         chosen = sorted(
             n for n, m in mutations.items()
             if any(fnmatch.fnmatch(n.rsplit("__mutmut_", 1)[0], f"{module}.{f}") for f in target.functions)
-            and (target.lines is None or re.search(target.lines, m.split("  ->  ")[0]))
+            and (target.lines is None or _touches(target.lines, m))
         )
         progress(f"{target.key}: running {len(chosen)} mutants")
         start = time.perf_counter()
@@ -421,19 +444,25 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
     if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
-    rows, survivors, unjustified, total = [], [], 0, 0
-    start = time.perf_counter()
+    state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
     for target in targets:
         row, surv, bad, n = run_target(python, target, max_children, keep, timeout_s)
-        rows.append(row)
-        survivors += surv
-        unjustified += bad
-        total += n
+        state[target.key] = {"row": row, "survivors": surv, "unjustified": bad, "mutants": n,
+                             "date": time.strftime("%Y-%m-%d"), "workers": max_children}
+        RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    # the table shows every target's latest run (``--targets`` reruns only some of them)
+    known = [t.key for t in TARGETS if t.key in state]
+    rows = [state[k]["row"] for k in known]
+    survivors = [s for k in known for s in state[k]["survivors"]]
+    unjustified = sum(state[k]["unjustified"] for k in known)
+    total = sum(state[k]["mutants"] for k in known)
+    minutes = sum(float(state[k]["row"][-1]) for k in known)
     body = (
         "### Mutation check (mutmut)\n\n"
         f"`scripts/mutation_check.py --part mutmut`: mutmut 3 over the functions named in the script, "
-        f"{total} mutants in {(time.perf_counter() - start) / 60:.0f} min with {max_children} workers "
-        "(a timeout counts as detected: the mutant made a test hang). "
+        f"{total} mutants, {minutes:.0f} min of mutant runs with {max_children} workers (plus about "
+        "a minute per target to generate mutants and map tests); a timeout counts as detected (the "
+        f"mutant made a test hang). Per-target results: `{RESULTS.relative_to(ROOT)}`. "
         + machine_line() + "\n\n"
         + markdown_table(["module", "mutants", "killed", "timeout", "survived", "no test ran it", "other",
                           "equivalent (justified)", "unjustified", "minutes"], rows) + "\n"

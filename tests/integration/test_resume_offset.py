@@ -62,6 +62,7 @@ def test_resumed_iterator_continues_the_uninterrupted_run(args, split, counter, 
     resumed = megatron_lm.build_hdp_data_iterators(resumed_args)[split]
     first, second = next(resumed), next(resumed)
     assert len({s.plan_hash for s in steps}) == k + 1  # every step differs: the check can fail
+    assert first.global_batch.meta["batch"] == k  # the k-th global batch of the split (0-based)
     for mine, theirs in ((first, steps[k]), (second, None)):
         if theirs is None:
             theirs = next(uninterrupted)
@@ -70,3 +71,24 @@ def test_resumed_iterator_continues_the_uninterrupted_run(args, split, counter, 
         assert all(np.array_equal(a, b) for a, b in zip(_tokens(mine), _tokens(theirs)))
     uninterrupted.close()
     resumed.close()
+
+
+def test_ramp_up_sizes_need_not_divide_the_hdp_ranks():
+    """HDP plans tokens, not micro-batches per rank: a ramp-up step of 6 samples on 4 HDP ranks
+    is fine (Megatron's consistency check would refuse it), and resuming counts such steps.
+    --rampup-batch-size 4 2 8: +2 samples every 8 / 2 = 4 consumed samples: 4, 6, 8, 8, ..."""
+    from megatron_bytescale.integration.batch_schedule import GlobalBatchSchedule
+
+    schedule = GlobalBatchSchedule(global_batch_size=8, micro_batch_size=1, data_parallel_size=4,
+                                   rampup_batch_size=[4, 2, 8])
+    assert [schedule.samples(i) for i in range(5)] == [4, 6, 8, 8, 8]
+    assert [schedule.steps_done(c) for c in (0, 4, 10, 18, 26)] == [0, 1, 2, 3, 4]
+
+
+def test_the_test_split_always_starts_at_its_first_batch(args):
+    # Megatron counts no consumed test samples: however far training got, testing starts over
+    resumed_args = argparse.Namespace(**vars(args))
+    resumed_args.consumed_train_samples, resumed_args.consumed_valid_samples = 3 * GLOBAL_BATCH, GLOBAL_BATCH
+    test_split = megatron_lm.build_hdp_data_iterators(resumed_args)[2]
+    assert next(test_split).global_batch.meta["batch"] == 0
+    test_split.close()

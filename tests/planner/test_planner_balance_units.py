@@ -152,3 +152,14 @@ def test_balance_emits_the_fastest_candidate(lengths, n, capacity, fast, assignm
     naive = make_plan(lengths, scheduler="naive", **kw)  # the fill candidate, estimated alone
     assert plan.meta["assignment"] == assignment
     assert plan.estimate.step_time_s <= naive.estimate.step_time_s * (1 + 1e-12)
+
+
+def test_a_widening_that_raises_the_work_bound_is_refused():
+    """With 0.3 s of overhead per ring step, 1,000 tokens (1.0 s on one rank) would take
+    0.5 + 0.3 = 0.8 s on two, but cost 1.6 rank-s instead of 1.0: with a 0.5 s pack the work
+    bound would become 2.1 / 2 = 1.05 s > 1.0 s. The sequence stays on one rank."""
+    costly = ShardingContext(capacity=1000, layers=1, hdp_size=2, offload=False,
+                             cost_model=CM.with_(ring_step_overhead_s=0.3))
+    units = [unit(0, 1000), unit(1, 500)]
+    assert costly.unit_time([1000], 2, 0.0) == pytest.approx(0.8)
+    assert widen_for_balance(list(units), costly, 2) == (units, 0)
