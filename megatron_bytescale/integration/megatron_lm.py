@@ -157,6 +157,9 @@ def validate_args(args: Any) -> ByteScaleConfig:
         logger.warning("--bytescale-hdp replaces --dataloader-type %s with its own global-batch "
                        "iterator", args.dataloader_type)
     args.dataloader_type = "external"
+    from .megatron_lm_metrics import explain_micro_batch_count
+
+    explain_micro_batch_count()  # Megatron's "constant N micro-batches" line is not what runs
     explicit_capacity = args.bytescale_capacity is not None
     config = ByteScaleConfig.from_args(args)
     if not explicit_capacity:

@@ -11,6 +11,8 @@ of loss tokens. fp32 throughout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any
 
@@ -228,6 +230,9 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "p2p_bytes": record.p2p_bytes,
+            "busy_s": record.busy_s,
+            "plan_wait_s": step.plan_wait_s,
+            "hdp": dataclasses.asdict(record.hdp),
         }
         if rank == 0:  # compare here: tensors do not survive the trip back through the queue
             _, ref_grads = out["reference"]
