@@ -27,13 +27,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from .config import RefusedArguments
+
 if TYPE_CHECKING:  # runtime types, imported lazily at run time
     from megatron_bytescale.runtime import CommCounters, HDPGroup, MicroBatchTensors
 
 logger = logging.getLogger(__name__)
 
 PP_SCHEDULE_ISSUE = (
-    "the HDP pipeline-parallel schedule driver is a later issue (PP > 1 is not served yet)"
+    "the HDP training step runs a single pipeline stage; run with --pipeline-model-parallel-size 1"
 )
 
 
@@ -55,17 +57,24 @@ class HDPParallelLayout:
     expert_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        reasons = self.refusals()
+        if reasons:
+            raise RefusedArguments(reasons)
+
+    def refusals(self) -> list[str]:
+        """Every reason this layout cannot be served (empty when it can)."""
+        reasons = []
         if self.world_size < 1:
-            raise ValueError(f"world size ({self.world_size}) must be >= 1")
+            reasons.append(f"world size ({self.world_size}) must be >= 1")
         if self.context_parallel_size != 1:
-            raise ValueError(
+            reasons.append(
                 f"--context-parallel-size {self.context_parallel_size} cannot be combined with "
                 "--bytescale-hdp: HDP replaces Megatron's static context parallelism. Run with "
                 "--context-parallel-size 1; the ranks go to the HDP (data-parallel) group, and "
                 "long sequences get rings of the size they need"
             )
         if self.hybrid_context_parallel:
-            raise ValueError(
+            reasons.append(
                 "--hybrid-context-parallel cannot be combined with --bytescale-hdp: both plan "
                 "per-sequence rings over the DP x CP ranks; use one of them (ByteScale's rings "
                 "are of any size on any ranks, Megatron's are aligned powers of two)"
@@ -76,27 +85,29 @@ class HDPParallelLayout:
                 if self.virtual_pipeline_model_parallel_size
                 else ""
             )
-            raise ValueError(
+            reasons.append(
                 f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}{virtual} is "
-                f"not supported with --bytescale-hdp yet: {PP_SCHEDULE_ISSUE}. Run with "
-                "--pipeline-model-parallel-size 1"
+                f"not supported with --bytescale-hdp: {PP_SCHEDULE_ISSUE} (no virtual stages); "
+                "the ranks go to the HDP group"
             )
         if self.tensor_model_parallel_size != 1:
-            raise ValueError(
+            reasons.append(
                 f"--tensor-model-parallel-size {self.tensor_model_parallel_size} is not supported "
-                "with --bytescale-hdp yet (HDP with TP > 1 has not been validated); run with "
-                "--tensor-model-parallel-size 1"
+                "with --bytescale-hdp: HDP training with tensor parallelism is untested, so it is "
+                "refused rather than risk wrong gradients. Run with --tensor-model-parallel-size 1"
             )
         if self.expert_model_parallel_size != 1:
-            raise ValueError(
+            reasons.append(
                 f"--expert-model-parallel-size {self.expert_model_parallel_size} is not supported "
-                "with --bytescale-hdp yet (MoE expert parallelism has not been validated)"
+                "with --bytescale-hdp: HDP does not train mixture-of-experts models. Run with "
+                "--expert-model-parallel-size 1"
             )
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        if self.world_size % model_parallel:
-            raise ValueError(
+        if self.world_size >= 1 and model_parallel >= 1 and self.world_size % model_parallel:
+            reasons.append(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
             )
+        return reasons
 
     @property
     def hdp_size(self) -> int:

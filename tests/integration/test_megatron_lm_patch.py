@@ -93,10 +93,13 @@ PARSE = textwrap.dedent("""
     from megatron.training.arguments import parse_args, validate_args
     from megatron_bytescale.integration import megatron_lm
     sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+    import contextlib, io
+    report = io.StringIO()
     try:
-        args = validate_args(parse_args(megatron_lm.chain_extra_args_provider(None)), {})
-    except ValueError as exc:
-        print("REFUSED " + str(exc)); sys.exit(0)
+        with contextlib.redirect_stderr(report):
+            args = validate_args(parse_args(megatron_lm.chain_extra_args_provider(None)), {})
+    except SystemExit as exc:  # refusals: one report (rank 0), exit status 2
+        print(f"REFUSED {exc.code} " + report.getvalue().replace(chr(10), " ")); sys.exit(0)
     print("RESULT " + json.dumps(dict(cp=args.context_parallel_size, dp=args.data_parallel_size,
           per_token=args.calculate_per_token_loss, dataloader=args.dataloader_type,
           capacity=args.bytescale_capacity, context=args.bytescale_context_length)))
