@@ -105,6 +105,12 @@ class ByteScaleConfig:
     """Path of a planner cost model (JSON written by CostModel.save, e.g. fitted from your own
     measurements). Default: the analytic model of these model flags on an H100-class GPU."""
 
+    ranks_per_node: Optional[int] = None
+    """Processes (GPUs) per node of the job, numbered node by node as torchrun does: HDP ranks
+    sit on node global_rank // this. The planner keeps rings that fit a node inside one (NVLink)
+    and spreads longer rings over the fewest nodes. Default: LOCAL_WORLD_SIZE (set by
+    torchrun), else the cost model's ranks per node."""
+
     check_plan_hash: bool = True
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""
@@ -124,6 +130,11 @@ class ByteScaleConfig:
             raise ValueError(
                 f"{flag_name('context_length')} ({self.context_length}) must be a positive number "
                 "of tokens"
+            )
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(
+                f"{flag_name('ranks_per_node')} ({self.ranks_per_node}) must be >= 1 (processes "
+                "per node)"
             )
         for name in ("scheduler", "plan_mode", "attention_backend", "overlong"):
             value = getattr(self, name)

@@ -288,7 +288,10 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
     manager = hdp_manager(args)
     config = ByteScaleConfig.from_args(args)
     cost_model = cost_model_from_args(args, config)
-    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model)
+    planner = make_step_planner(
+        config, hdp_size=manager.size, cost_model=cost_model,
+        global_ranks=[manager.hdp.global_rank(r) for r in range(manager.size)],
+    )  # fmt: skip
     tokens_per_batch = int(args.global_batch_size) * int(args.seq_length)
     device = (torch.device("cuda", torch.cuda.current_device())
               if torch.cuda.is_available() else None)

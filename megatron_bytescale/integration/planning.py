@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import os
+from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.plan import StepPlan
+from megatron_bytescale.planner.topology import Topology
 
 from .config import ByteScaleConfig
 
@@ -16,11 +18,13 @@ def make_step_planner(
     hdp_size: int,
     cost_model: CostModel,
     scheduler: Optional[str] = None,
+    global_ranks: Optional[Sequence[int]] = None,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
     The function is deterministic (same lengths, same plan on every rank), which the
-    ``every_rank`` plan mode relies on.
+    ``every_rank`` plan mode relies on. ``global_ranks`` (the global rank of every HDP rank;
+    default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`).
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -36,6 +40,8 @@ def make_step_planner(
                 "--bytescale-offload"
             )
 
+    topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
+
     def plan(lengths: list[int]) -> StepPlan:
         return make_plan(
             lengths,
@@ -48,6 +54,43 @@ def make_step_planner(
             overlong=config.overlong,
             align=config.align,
             context_length=config.context_length,
+            topology=topology,
         )
 
     return plan
+
+
+def hdp_topology(
+    config: ByteScaleConfig,
+    *,
+    hdp_size: int,
+    cost_model: CostModel,
+    global_ranks: Optional[Sequence[int]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Topology:
+    """The node of every HDP rank: ``global_rank // ranks_per_node``.
+
+    ``ranks_per_node`` is ``--bytescale-ranks-per-node``, else ``LOCAL_WORLD_SIZE`` (torchrun
+    starts that many processes per node and numbers global ranks node by node), else the cost
+    model's own ``ranks_per_node`` over consecutive HDP ranks. With TP > 1 the HDP group strides
+    over global ranks, so fewer HDP ranks share a node than processes do; the map says so.
+    """
+    env = os.environ if environ is None else environ
+    per_node = config.ranks_per_node
+    if per_node is None and env.get("LOCAL_WORLD_SIZE"):
+        raw = env["LOCAL_WORLD_SIZE"]
+        try:
+            per_node = int(raw)
+        except ValueError:
+            per_node = 0
+        if per_node < 1:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE ({raw!r}) is not a positive integer; pass "
+                "--bytescale-ranks-per-node with the processes per node"
+            )
+    if per_node is None:
+        return Topology.of(cost_model)
+    ranks = list(range(hdp_size)) if global_ranks is None else [int(r) for r in global_ranks]
+    if len(ranks) != hdp_size:
+        raise ValueError(f"global_ranks names {len(ranks)} ranks but the HDP group has {hdp_size}")
+    return Topology.from_global_ranks(ranks, per_node)

@@ -4,8 +4,9 @@ Model (documented here because every scheduler comparison rests on it):
 
 * Each ring micro-batch takes :meth:`CostModel.micro_batch_time` on every member: its real
   sequences padded per-document zigzag to the ring, ``layers_per_stage`` layers, its offload
-  ratio, the NVLink rate if all members share a node (HDP rank // ranks_per_node) else the
-  network rate.
+  ratio, the NVLink rate if all members share a node else the network rate. Nodes come from a
+  :class:`~.topology.Topology`: the one passed in, else the one the plan was made for
+  (``meta["topology"]``), else the cost model's ``ranks_per_node``.
 * **PP = 1**: micro-batches run in global order; a ring starts when all members are free and
   keeps every member busy for its duration. Barriers in ``meta["barrier_after_orders"]`` make
   every rank wait for the slowest before the next order starts.
@@ -19,7 +20,8 @@ Model (documented here because every scheduler comparison rests on it):
 ``step_time_s`` is the largest rank time. The lower bound is the total busy rank-seconds over
 ``hdp_size`` (perfect balance, no idling, no bubbles); the balance ratio is step time over it.
 P2P bytes are :meth:`CostModel.ring_p2p_bytes` summed over the plan for all layers of the model
-(every PP stage) and one TP rank.
+(every PP stage) and one TP rank; the inter-node P2P bytes are the part of them that crosses a
+node boundary (:func:`.topology.ring_link_bytes`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from .cost_model import CostModel
 from .order import Simulation, simulate
 from .plan import Estimate, StepPlan
+from .topology import Topology, placement_summary
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,10 @@ class MicroBatchCosts:
     """Per member, per stage (all layers of the stage)."""
     p2p_bytes: np.ndarray
     """All members, all layers of the model."""
+    inter_node_bytes: np.ndarray
+    """The part of ``p2p_bytes`` on links between nodes (:func:`.topology.ring_link_bytes`)."""
+    rings: tuple[tuple[int, ...], ...]
+    """The ring (members in ring order) of every micro-batch."""
     offload: np.ndarray
     seq_owner: np.ndarray
     """Index into ``orders`` of every (micro-batch, sequence) entry."""
@@ -53,8 +60,11 @@ class MicroBatchCosts:
     """order -> the ranks whose lists hold that micro-batch."""
 
 
-def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
-    """Time, ring size and P2P bytes of every distinct micro-batch of ``plan``."""
+def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> MicroBatchCosts:
+    """Time, ring size and P2P bytes (all and inter-node) of every distinct micro-batch of ``plan``
+    (``topology``: see :meth:`.Topology.for_plan`)."""
+    topo = Topology.for_plan(plan, cost_model, topology)
+    topo.check_size(plan.hdp_size)
     lengths = plan.sequence_lengths()
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     for rp in plan.ranks:
@@ -71,20 +81,22 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
     if n == 0:
         z = np.zeros(0)
         zi = z.astype(np.int64)
-        return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, offload=z,
-                               seq_owner=zi, seq_lengths=zi, holders={})
+        return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, inter_node_bytes=z,
+                               rings=(), offload=z, seq_owner=zi, seq_lengths=zi, holders={})
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
     intra = np.empty(n, dtype=bool)
-    rpn = cost_model.ranks_per_node
+    links = np.empty(n)
+    rings = []
     for k, o in enumerate(orders.tolist()):
         ring, seqs, r = seen[o]
         d = len(ring)
         ring_sizes[k] = d
         offload[k] = r
-        nodes = [m // rpn for m in ring]
-        intra[k] = min(nodes) == max(nodes)
+        rings.append(ring)
+        intra[k] = topo.ring_is_intra_node(ring)
+        links[k] = topo.inter_node_links(ring)
         for s in seqs:
             owner.append(k)
             seq_len.append(lengths[s])
@@ -103,11 +115,14 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel) -> MicroBatchCosts:
     ))
     all_layers = plan.layers_per_stage * plan.pp_size
     p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
+    inter = p2p * links / ring_sizes  # every link of the cycle carries 1/D of the bytes
     return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
-                           offload=offload, seq_owner=owner_arr, seq_lengths=s, holders=holders)
+                           inter_node_bytes=inter, rings=tuple(rings), offload=offload,
+                           seq_owner=owner_arr, seq_lengths=s, holders=holders)
 
 
-def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16) -> float:
+def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16,
+                  topology: Topology | None = None) -> float:
     """A second lower bound on the step: the slowest micro-batch on its fastest possible ring.
 
     A micro-batch cannot finish faster than its time on the best ring size between its own and
@@ -117,6 +132,7 @@ def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts,
     """
     if len(costs.orders) == 0:
         return 0.0
+    rpn = Topology.for_plan(plan, cost_model, topology).ranks_per_node
     n = plan.hdp_size
     best = 0.0
     for k in np.argsort(-costs.seconds, kind="stable")[:top].tolist():
@@ -134,15 +150,16 @@ def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts,
         p = np.where(d == 1, sl, chunk * 2 * d).astype(np.float64)
         t = np.atleast_1d(cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=plan.layers_per_stage,
-            intra_node=d[0] <= cost_model.ranks_per_node,
+            intra_node=d[0] <= rpn,
         ))
         best = max(best, min(float(t.min()), float(costs.seconds[k])))
     return best * plan.pp_size
 
 
-def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False) -> tuple[MicroBatchCosts, Simulation]:
+def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False,
+                  topology: Topology | None = None) -> tuple[MicroBatchCosts, Simulation]:
     """Costs of every micro-batch and the timed simulation of the whole plan."""
-    costs = micro_batch_costs(plan, cost_model)
+    costs = micro_batch_costs(plan, cost_model, topology)
     if plan.pp_size == 1 and not record:
         return costs, Simulation(rank_finish_s=_sequential_finish(plan, costs))
     durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
@@ -170,8 +187,9 @@ def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
     return free
 
 
-def estimate_plan(plan: StepPlan, cost_model: CostModel) -> Estimate:
-    """The :class:`Estimate` of ``plan`` (see the module docstring for the model).
+def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> Estimate:
+    """The :class:`Estimate` of ``plan`` (see the module docstring for the model; ``topology``
+    see :meth:`.Topology.for_plan`).
 
     ``extra`` holds: ``max_rank_time_s``, ``mean_rank_time_s``, ``min_rank_time_s``,
     ``lower_bound_s``, ``balance_ratio`` (step / lower bound), ``critical_path_s`` (see
@@ -179,16 +197,19 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel) -> Estimate:
     ``idle_fraction``, ``num_micro_batches``,
     ``num_rings`` (ring size > 1), ``ring_size_histogram`` ({size: count} over distinct
     micro-batches, sizes as strings for JSON), ``max_ring_size``, ``offloaded_micro_batches``,
-    ``micro_batch_counts`` (per rank), ``num_barriers``, ``model``.
+    ``micro_batch_counts`` (per rank), ``num_barriers``, ``model``, ``inter_node_p2p_bytes``
+    (the part of ``p2p_bytes`` that crosses nodes), ``ranks_per_node`` and the ring placement
+    counts of :func:`.topology.placement_summary`.
     """
-    costs, sim = simulate_plan(plan, cost_model)
+    topo = Topology.for_plan(plan, cost_model, topology)
+    costs, sim = simulate_plan(plan, cost_model, topology=topo)
     rank_time = sim.rank_finish_s
     n = plan.hdp_size
     busy = float(np.sum(costs.seconds * costs.ring_sizes))
     lower = busy / n if n else 0.0
     step = float(rank_time.max()) if n else 0.0
     hist = Counter(costs.ring_sizes.tolist())
-    critical = critical_path(plan, cost_model, costs)
+    critical = critical_path(plan, cost_model, costs, topology=topo)
     bound = max(lower, critical)
     extra: dict[str, Any] = {
         "max_rank_time_s": step,
@@ -207,6 +228,9 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel) -> Estimate:
         "micro_batch_counts": plan.micro_batch_counts(),
         "num_barriers": len(plan.meta.get("barrier_after_orders", []) or []),
         "model": "sequential rendezvous" if plan.pp_size == 1 else f"1F1B x {plan.pp_size} stages, coupled rings",
+        "inter_node_p2p_bytes": int(round(float(np.sum(costs.inter_node_bytes)))),
+        "ranks_per_node": topo.ranks_per_node,
+        **placement_summary(topo, [r for r in costs.rings if len(r) > 1]),
     }
     return Estimate(
         step_time_s=step,

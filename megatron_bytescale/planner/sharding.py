@@ -19,6 +19,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .offload import minimal_ratio_for_ring, solve_offload
+from .topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +57,13 @@ class ShardingContext:
     hdp_size: int
     align: int = 1
     offload: bool = True
+    topology: Topology | None = None
+    """Where the HDP ranks sit (None: ``cost_model.ranks_per_node`` consecutive ranks per node)."""
+
+    @property
+    def nodes(self) -> Topology:
+        """The topology, never None."""
+        return Topology.of(self.cost_model, self.topology)
 
     def unit_time(self, lengths: Sequence[int], ring_size: int, offload_ratio: float,
                   intra_node: bool | None = None) -> float:

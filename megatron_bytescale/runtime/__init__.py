@@ -24,6 +24,7 @@ from .layout import (
     layout_for,
     make_attention_layout,
 )
+from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats
 from .online_softmax import merge_partial_attention
 from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens
 from .ring_attention import (
@@ -35,6 +36,7 @@ from .ring_attention import (
 from .ring_comm import RingComm
 
 __all__ = [
+    "ActivationOffloader",
     "AttentionBackend",
     "AttentionLayout",
     "BACKEND_NAMES",
@@ -42,7 +44,9 @@ __all__ = [
     "HDPGroup",
     "MathBackend",
     "MicroBatchCommStats",
+    "MicroBatchOffload",
     "MicroBatchTensors",
+    "OffloadStats",
     "PAD_TOKEN_ID",
     "Ring",
     "RingComm",

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "mistral-8x22b (default llama-7b)")
     cluster.add_argument("--cost-model", default=None, metavar="FILE",
                          help="cost model JSON (CostModel.save, e.g. from calibration) instead of --model")
+    cluster.add_argument("--ranks-per-node", type=int, default=None,
+                         help="HDP ranks per node: HDP rank r is on node r // N (default: the cost "
+                              "model's, GPUs per node / TP for the presets)")
+    cluster.add_argument("--node-map", default=None, metavar="FILE",
+                         help="node of every HDP rank instead of --ranks-per-node: a JSON list or one "
+                              "integer per line, HDP rank order")
 
     sched = p.add_argument_group("scheduling")
     sched.add_argument("--scheduler", default="balance", choices=list(SCHEDULER_ORDER),
@@ -126,6 +132,31 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     return cm, args.pp_size or spec.pipeline_parallel_size
 
 
+def _topology(args: argparse.Namespace, cost_model: Any) -> Any:
+    from ..planner.topology import Topology
+
+    if args.node_map is not None:
+        if args.ranks_per_node is not None:
+            raise ValueError("give either --ranks-per-node or --node-map, not both")
+        path = Path(args.node_map)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read --node-map {str(path)!r}: {exc.strerror or exc}") from exc
+        try:
+            nodes = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"--node-map {str(path)!r} must be a JSON list or one integer per line: {exc}") from exc
+        if len(nodes) != args.hdp_size:
+            raise ValueError(f"--node-map {str(path)!r} names {len(nodes)} HDP ranks but --hdp-size is {args.hdp_size}")
+        return Topology.from_node_map(nodes)
+    if args.ranks_per_node is not None:
+        if args.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1")
+        return Topology(ranks_per_node=args.ranks_per_node)
+    return Topology.of(cost_model)
+
+
 # --------------------------------------------------------------------------- output
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -148,6 +179,8 @@ def _row(name: str, plan: Any, seconds: float) -> dict[str, Any]:
         "balance": x["balance_ratio"],
         "critical_s": x["critical_path_s"],
         "p2p": e.p2p_bytes,
+        "inter_p2p": x["inter_node_p2p_bytes"],
+        "in_node": f"{x['rings_within_one_node']}/{x['rings_fitting_one_node']}",
         "rings": x["num_rings"],
         "ring_sizes": (f"{min(sizes)}-{int(np.median(sizes))}-{max(sizes)}" if sizes else "-"),
         "mb_per_rank": f"{min(counts)}-{max(counts)}" if counts else "-",
@@ -159,7 +192,8 @@ def _row(name: str, plan: Any, seconds: float) -> dict[str, Any]:
 def _print_table(rows: list[dict[str, Any]], failed: dict[str, str]) -> None:
     base = next((r for r in rows if r["scheduler"] == "balance"), None)
     head = ["scheduler", "step (s)", "x balance", "max/mean rank (s)", "lower bound (s)", "balance",
-            "P2P", "x balance", "rings", "ring sizes min-med-max", "mb/rank", "offloaded", "plan (ms)"]
+            "P2P", "x balance", "inter-node P2P", "rings", "in one node", "ring sizes min-med-max", "mb/rank",
+            "offloaded", "plan (ms)"]
     lines = []
     for r in rows:
         lines.append([
@@ -168,7 +202,7 @@ def _print_table(rows: list[dict[str, Any]], failed: dict[str, str]) -> None:
             f"{r['max_s']:.2f}/{r['mean_s']:.2f}", f"{r['lower_bound_s']:.2f}", f"{r['balance']:.3f}",
             _fmt_bytes(r["p2p"]),
             f"{r['p2p'] / base['p2p']:.2f}" if base and base["p2p"] else "-",
-            str(r["rings"]), r["ring_sizes"], r["mb_per_rank"], str(r["offloaded"]), f"{r['plan_ms']:.0f}",
+            _fmt_bytes(r["inter_p2p"]), str(r["rings"]), r["in_node"], r["ring_sizes"], r["mb_per_rank"], str(r["offloaded"]), f"{r['plan_ms']:.0f}",
         ])
     for name, why in failed.items():
         lines.append([name, "n/a"] + [""] * (len(head) - 2))
@@ -181,7 +215,9 @@ def _print_table(rows: list[dict[str, Any]], failed: dict[str, str]) -> None:
         print(f"{name}: not applicable: {why}")
     if base:
         print("(column 'balance' = max rank time / lower bound, the lower bound being total busy "
-              "rank-seconds / HDP ranks; 'x balance' columns are ratios to the balance scheduler)")
+              "rank-seconds / HDP ranks; 'x balance' columns are ratios to the balance scheduler; "
+              "'inter-node P2P' = the P2P bytes that cross a node boundary; 'in one node' = rings "
+              "inside one node / rings small enough to fit one)")
 
 
 def _report_overlong(plan: Any) -> None:
@@ -202,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
     lengths, source = _load_lengths(args)
     cost_model, pp_size = _cost_model(args)
+    topology = _topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
     names = list(SCHEDULER_ORDER) if args.compare else [args.scheduler]
@@ -215,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 lengths, scheduler=name, hdp_size=args.hdp_size, capacity=args.capacity,
                 cost_model=cost_model, pp_size=pp_size, offload=args.offload, overlong=args.overlong,
                 align=args.align, context_length=context, delta=args.delta, num_buckets=args.num_buckets,
+                topology=topology,
             )
         except ValueError as exc:
             if not args.compare or name == args.scheduler:
@@ -226,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         plans[name] = plan
         rows.append(_row(name, plan, dt))
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
+          f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
           f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}")
     _print_table(rows, failed)
     for plan in plans.values():

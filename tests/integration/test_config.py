@@ -27,6 +27,7 @@ EXPECTED_FLAGS = {
     "--bytescale-attention-backend",
     "--bytescale-plan-prefetch",
     "--bytescale-cost-model",
+    "--bytescale-ranks-per-node",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
 }

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 from ..cost_model import CostModel
 from ..estimate import estimate_plan
 from ..plan import StepPlan
+from ..topology import Topology
 from ._common import OVERLONG_MODES, PlanRequest, build_request
 from .balance import plan_balance
 from .naive import plan_naive
@@ -54,6 +55,7 @@ def make_plan(
     delta: float = DEFAULT_DELTA,
     num_buckets: int = DEFAULT_NUM_BUCKETS,
     estimate: bool = True,
+    topology: Topology | None = None,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -73,6 +75,10 @@ def make_plan(
         delta: Alg. 2's threshold as a fraction of the max rank time.
         num_buckets: Alg. 2's equal-work buckets (PP-Balance).
         estimate: attach :func:`..estimate.estimate_plan`'s estimate to the plan.
+        topology: which node every HDP rank is on (:class:`..topology.Topology`); default the
+            cost model's ``ranks_per_node`` consecutive ranks per node. ``balance`` keeps rings
+            that fit a node inside one and spreads larger rings over the fewest nodes; the
+            estimate reports the P2P bytes that cross nodes. Recorded in ``meta["topology"]``.
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -86,7 +92,7 @@ def make_plan(
     request = build_request(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
-        delta=delta, num_buckets=num_buckets,
+        delta=delta, num_buckets=num_buckets, topology=topology,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
@@ -95,7 +101,7 @@ def make_plan(
     try:
         plan = SCHEDULERS[scheduler](request)
         if estimate and plan.estimate is None:
-            plan = replace(plan, estimate=estimate_plan(plan, cost_model))
+            plan = replace(plan, estimate=estimate_plan(plan, request.cost_model, request.topology))
         elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
             plan = replace(plan, estimate=None)
     finally:

@@ -18,6 +18,7 @@ import numpy as np
 from ..cost_model import CostModel
 from ..plan import MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
 from ..sharding import ShardingContext, Unit
+from ..topology import Topology
 from ..zigzag import zigzag_chunk
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class PlanRequest:
     context_length: int | None = None
     delta: float = 0.05
     num_buckets: int = 4
+    topology: Topology | None = None
+    """Where the HDP ranks sit (None: the cost model's ``ranks_per_node``)."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
@@ -49,6 +52,7 @@ class PlanRequest:
             capacity=self.capacity, layers=self.layers, cost_model=self.cost_model,
             hdp_size=self.hdp_size, align=self.align,
             offload=self.offload if offload is None else offload,
+            topology=Topology.of(self.cost_model, self.topology),
         )
 
 
@@ -105,8 +109,12 @@ def build_request(
     context_length: int | None,
     delta: float,
     num_buckets: int,
+    topology: Topology | None = None,
 ) -> PlanRequest:
-    """Check every argument of :func:`make_plan`; raise ValueError naming the bad one."""
+    """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
+
+    A ``topology`` overrides the cost model's ``ranks_per_node`` everywhere (sharding, widening
+    and the estimate see the same nodes)."""
     arr = check_lengths(lengths)
     hdp_size = _check_int("hdp_size", hdp_size)
     capacity = _check_int("capacity", capacity)
@@ -122,11 +130,18 @@ def build_request(
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= float(delta) < 1:
         raise ValueError(f"delta ({delta!r}) must be a fraction of the max rank time in [0, 1)")
     layers = cost_model.layers_per_stage(pp_size)
+    if topology is not None:
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
+        topology.check_size(hdp_size)
+        if topology.ranks_per_node != cost_model.ranks_per_node:
+            cost_model = cost_model.with_(ranks_per_node=topology.ranks_per_node)
     return PlanRequest(
         ids=tuple(range(len(arr))), lengths=tuple(int(x) for x in arr.tolist()),
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
+        topology=topology,
     )
 
 
@@ -238,6 +253,7 @@ def emit_plan(
         "offload": request.offload and offload_allowed,
         "offloaded_micro_batches": sum(1 for p in placements if p.offload_ratio > 0),
         "overlong": request.overlong,
+        "topology": Topology.of(request.cost_model, request.topology).to_dict(),
         **request.meta,
         **(meta or {}),
     }
