@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name
 from .groups import HDPParallelLayout
-from .megatron_lm_data import build_hdp_data_iterators
+from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
 
 __all__ = [
@@ -63,7 +63,6 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
      "no gradient bucket in backward, which the overlapped reduction waits for"),
     ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
      "token count (per-token loss), never by the number of ranks"),
-    ("rampup_batch_size", "--rampup-batch-size", "an HDP global batch is a fixed token budget"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "HDP runs on Megatron DDP (+ ZeRO-1)"),
     ("use_legacy_models", "--use-legacy-models", "HDP builds a megatron-core GPTModel"),
@@ -145,6 +144,12 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
         layout = HDPParallelLayout.from_megatron_args(args)
     except RefusedArguments as exc:
         reasons += exc.reasons
+    if layout is not None and layout.tensor_model_parallel_size != 1:
+        reasons.append(
+            f"--tensor-model-parallel-size {layout.tensor_model_parallel_size} cannot be combined "
+            "with --bytescale-hdp in pretrain_gpt.py (megatron-core loops can use it: see "
+            "docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
+        )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
             reasons.append(f"{flag} cannot be combined with --bytescale-hdp: {why}")
@@ -268,16 +273,12 @@ def _data_flag_refusals(args: Any) -> list[str]:
     if getattr(args, "mock_data", False):
         return []
     if not getattr(args, "data_path", None):
-        return ["--bytescale-hdp needs --data-path PREFIX [PREFIX ...] or --mock-data"]
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    _, weights = get_blend_from_list(args.data_path)
-    if weights is not None:
-        return [
-            f"--data-path {' '.join(args.data_path)}: weighted blends are not supported with "
-            "--bytescale-hdp; pass the prefixes without weights (their documents are used one "
-            "after the other, shuffled)"
-        ]
+        return ["--bytescale-hdp needs --data-path [WEIGHT] PREFIX [[WEIGHT] PREFIX ...] or "
+                "--mock-data"]
+    try:
+        blend_weights(args)  # a weighted blend: valid weights (shares of tokens)
+    except ValueError as exc:
+        return [str(exc)]
     return []
 
 
