@@ -77,7 +77,7 @@ COST_MODEL_VERSION = 1
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
-    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s",
+    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
 )
 
 
@@ -120,11 +120,20 @@ class CostModel:
     """Share of the attention time spent in forward (2/7 for FlashAttention-2: 2 of 7 s^2 GEMMs)."""
     forward_fraction: float = 1.0 / 3.0
     """Share of a micro-batch's time spent in forward (1/3 for GEMMs); used by the 1F1B model."""
+    two_level_ring: bool = False
+    """Rings over several whole nodes run two-level (the runtime's --bytescale-two-level-ring):
+    heads are split inside each node by an all-to-all over NVLink and only a ring of one rank
+    per node crosses the network (see :meth:`ring_time_from_sums` and docs/two_level_ring.md)."""
+    q_bytes_per_token: float = 0.0
+    """Query bytes per token per layer per TP rank (= the attention output's); what the
+    two-level ring's all-to-all moves besides K and V."""
     source: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"cost model {self.name!r}: num_layers ({self.num_layers!r}) must be an integer >= 1")
+        if not isinstance(self.two_level_ring, bool):
+            raise ValueError(f"cost model {self.name!r}: two_level_ring ({self.two_level_ring!r}) must be true or false")
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"cost model {self.name!r}: ranks_per_node ({self.ranks_per_node!r}) must be an integer >= 1")
         if self.dkv_bytes_per_token is not None and not (
@@ -278,31 +287,56 @@ class CostModel:
         layers: int,
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
+        node_group: Any = 1,
     ) -> Any:
         """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
 
         See the module docstring for the formula; ``ring_size`` 1 means a local micro-batch.
+        ``node_group`` G > 1 (with ``two_level_ring``) costs a two-level ring of D / G nodes of G
+        members: an all-to-all inside each node before and after attention, moving
+        ``(G - 1) / G`` of every member's q, k, v, out forward and their gradients backward
+        over NVLink, then a ring of D / G steps between nodes, each step computing 1 / (D / G)
+        of the member's attention while the next node's K/V (dK/dV backward) arrives over the
+        network.
         """
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
         r = np.asarray(offload_ratio, dtype=np.float64)
-        bw = np.where(np.asarray(intra_node, dtype=bool), self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
+        g = np.asarray(node_group, dtype=np.float64) if self.two_level_ring else np.ones_like(d)
+        g = np.where(d > g, g, 1.0)  # a ring inside one node is flat
+        two = g > 1
+        bw = np.where(np.asarray(intra_node, dtype=bool) & ~two, self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
         share = sp / d
         linear = self.beta1 * share + self.gamma
         attn = self.alpha1 * sp2 / d
-        c_f = attn * self.attention_forward_fraction / d
-        c_b = attn / d - c_f
+        positions = d / g  # ring steps: D flat, D / G nodes two-level
+        c_f = attn * self.attention_forward_fraction / positions
+        c_b = attn / positions - c_f
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
-        steps = d - 1.0
+        steps = positions - 1.0
         ring = c_f + c_b + steps * (
             np.maximum(c_f, m_f) + np.maximum(c_b, m_b) + self.ring_step_overhead_s
         )
-        layer = linear + ring
+        a2a = 4 * self.p2p_latency_s + 2 * self.ring_step_overhead_s + 2 * (g - 1) / g * share * (
+            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra
+        layer = linear + ring + np.where(two, a2a, 0.0)
         exposed = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
         out = layers * (layer + exposed)
         return float(out) if out.ndim == 0 else out
+
+    def two_level_bytes(self, sum_p: Any, ring_size: Any, node_group: Any, *, layers: int) -> tuple[Any, Any]:
+        """``(intra-node, inter-node)`` bytes all members of two-level rings send over ``layers``
+        layers: ``layers * sum(P) * 2 (G - 1) / G * (2 q + kv)`` in the all-to-alls and
+        ``layers * (D / G - 1) * (2 kv + dkv) * sum(P)`` on the ring between nodes."""
+        sp = np.asarray(sum_p, dtype=np.float64)
+        d = np.asarray(ring_size, dtype=np.float64)
+        g = np.asarray(node_group, dtype=np.float64)
+        g = np.where(d > g, g, 1.0)
+        intra = layers * sp * 2 * (g - 1) / g * (2 * self.q_bytes_per_token + self.kv_bytes_per_token)
+        inter = layers * (d / g - 1) * self.ring_bytes_per_token * sp
+        return intra, inter
 
     def micro_batch_time(
         self,
@@ -313,17 +347,19 @@ class CostModel:
         offload_ratio: float = 0.0,
         align: int = 1,
         intra_node: bool = True,
+        node_group: int = 1,
     ) -> float:
         """Seconds one member of a ring of ``ring_size`` spends on a micro-batch of ``lengths``.
 
         ``layers`` is the number of layers the rank runs (all of them without PP, one stage's
-        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network.
+        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network;
+        ``node_group`` > 1 costs a two-level ring (see :meth:`ring_time_from_sums`).
         """
         p = self.padded_lengths(lengths, ring_size, align).astype(np.float64)
         return float(
             self.ring_time_from_sums(
                 p.sum(), (p * p).sum(), ring_size, layers=layers,
-                offload_ratio=offload_ratio, intra_node=intra_node,
+                offload_ratio=offload_ratio, intra_node=intra_node, node_group=node_group,
             )
         )
 

@@ -26,7 +26,7 @@ from .layout import (
 )
 from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats
 from .online_softmax import merge_partial_attention
-from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens
+from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens, two_level_p2p_bytes
 from .ring_attention import (
     ring_attention,
     ring_attention_backward,
@@ -34,6 +34,7 @@ from .ring_attention import (
     verify_ring_layout,
 )
 from .ring_comm import RingComm
+from .two_level_ring import two_level_ring_attention
 
 __all__ = [
     "ActivationOffloader",
@@ -64,6 +65,8 @@ __all__ = [
     "ring_attention",
     "ring_attention_backward",
     "ring_attention_forward",
+    "two_level_p2p_bytes",
+    "two_level_ring_attention",
     "ring_attention_p2p_bytes",
     "ring_local_tokens",
     "verify_ring_layout",
