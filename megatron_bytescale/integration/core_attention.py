@@ -109,6 +109,21 @@ class ByteScaleCoreAttention(MegatronModule):
         q_TNH = query[:, 0].contiguous()
         k_TNH = key[:, 0].contiguous()
         v_TNH = value[:, 0].contiguous()
+        if manager.two_level_topology is not None:
+            from megatron_bytescale.runtime import two_level_ring_attention
+
+            out_TNH = two_level_ring_attention(
+                q_TNH,
+                k_TNH,
+                v_TNH,
+                micro_batch.layout,
+                manager.hdp,
+                topology=manager.two_level_topology,
+                softmax_scale=self.softmax_scale,
+                backend=manager.attention_backend,
+                counters=manager.counters,
+            )
+            return out_TNH.reshape(out_TNH.size(0), 1, -1)
         out_TNH = ring_attention(
             q_TNH,
             k_TNH,

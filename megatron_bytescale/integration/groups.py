@@ -127,11 +127,15 @@ class HDPGroupManager:
     Args:
         hdp: the runtime's ``HDPGroup`` over Megatron's data-parallel group.
         attention_backend: passed to ``runtime.ring_attention`` (None lets it choose).
+
+    ``two_level_topology``: when set (``--bytescale-two-level-ring``), rings over several whole
+    nodes of it run ``runtime.two_level_ring_attention``; None runs every ring flat.
     """
 
     def __init__(self, hdp: "HDPGroup", *, attention_backend: Optional[str] = None) -> None:
         self.hdp = hdp
         self.attention_backend = attention_backend
+        self.two_level_topology: Any = None
         self._current: "MicroBatchTensors | None" = None
         self._counters: "CommCounters | None" = None
 
