@@ -73,6 +73,31 @@ logger = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
 
+@dataclass(frozen=True)
+class RingTimeTerms:
+    """Per-member seconds of micro-batches by what they are spent on (numpy arrays or scalars).
+
+    ``compute + exposed_comm + step_overhead + exposed_offload`` is the micro-batch's time
+    (:meth:`CostModel.ring_time_from_sums`); ``comm`` is the link time of its ring steps,
+    hidden or not (the share of it that compute does not hide is ``exposed_comm``).
+    """
+
+    compute: Any
+    """Linear layers and attention kernels: the time with free links."""
+    exposed_comm: Any
+    """P2P time a ring step's compute does not hide."""
+    step_overhead: Any
+    """``ring_step_overhead_s`` per ring step."""
+    exposed_offload: Any
+    """PCIe transfer time the layer's compute does not hide (0 for Eq. 3's ratios)."""
+    comm: Any
+    """All P2P time of the ring steps, overlapped or not."""
+
+    @property
+    def total(self) -> Any:
+        return self.compute + self.exposed_comm + self.step_overhead + self.exposed_offload
+
+
 # --------------------------------------------------------------------------- model
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
@@ -297,8 +322,28 @@ class CostModel:
         ``(G - 1) / G`` of every member's q, k, v, out forward and their gradients backward
         over NVLink, then a ring of D / G steps between nodes, each step computing 1 / (D / G)
         of the member's attention while the next node's K/V (dK/dV backward) arrives over the
-        network.
+        network. It is the sum of :meth:`ring_time_terms`.
         """
+        out = self.ring_time_terms(
+            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node,
+            node_group=node_group,
+        ).total
+        return float(out) if out.ndim == 0 else out
+
+    def ring_time_terms(
+        self,
+        sum_p: Any,
+        sum_p2: Any,
+        ring_size: Any,
+        *,
+        layers: int,
+        offload_ratio: Any = 0.0,
+        intra_node: Any = True,
+        node_group: Any = 1,
+    ) -> "RingTimeTerms":
+        """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
+        ``layers`` layers): the simulator reports where a step goes with the planner's own model.
+        A two-level ring's all-to-alls count as exposed communication."""
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
@@ -316,15 +361,19 @@ class CostModel:
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
         steps = positions - 1.0
-        ring = c_f + c_b + steps * (
-            np.maximum(c_f, m_f) + np.maximum(c_b, m_b) + self.ring_step_overhead_s
+        a2a_comm = np.where(two, 4 * self.p2p_latency_s + 2 * (g - 1) / g * share * (
+            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra, 0.0)
+        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b) + a2a_comm
+        overhead = (steps + np.where(two, 2.0, 0.0)) * self.ring_step_overhead_s
+        layer = linear + attn + exposed_comm + overhead
+        exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
+        return RingTimeTerms(
+            compute=layers * (linear + attn),
+            exposed_comm=layers * exposed_comm,
+            step_overhead=layers * overhead,
+            exposed_offload=layers * exposed_offload,
+            comm=layers * (steps * (m_f + m_b) + a2a_comm),
         )
-        a2a = 4 * self.p2p_latency_s + 2 * self.ring_step_overhead_s + 2 * (g - 1) / g * share * (
-            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra
-        layer = linear + ring + np.where(two, a2a, 0.0)
-        exposed = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
-        out = layers * (layer + exposed)
-        return float(out) if out.ndim == 0 else out
 
     def two_level_bytes(self, sum_p: Any, ring_size: Any, node_group: Any, *, layers: int) -> tuple[Any, Any]:
         """``(intra-node, inter-node)`` bytes all members of two-level rings send over ``layers``
