@@ -37,7 +37,7 @@ import torch
 from ..planner.topology import Topology
 from .counters import CommCounters, MicroBatchCommStats, timed
 from .hdp_group import HDPGroup, Ring
-from .layout import AttentionLayout, SequenceSlot, real_tokens_at
+from .layout import AttentionLayout, SequenceSlot
 from .ring_attention import ring_attention, ring_attention_backward, ring_attention_forward
 from .ring_comm import RingComm
 
@@ -56,27 +56,44 @@ def node_layout(layout: AttentionLayout, group: int) -> tuple[AttentionLayout, t
     """The column ring's layout for this member, and where its rows come from.
 
     Returns ``(node_layout, rows)``: row i of the node buffer is row ``rows[i]`` of the
-    gathered buffer ``[G * T]`` (node member j' first: its T rows at ``j' * T``).
+    gathered buffer ``[G * T]`` (node member j' first: its T rows at ``j' * T``). Built once
+    per micro-batch (every layer reuses it).
     """
+    return layout.memo(("two-level", group), lambda: _build_node_layout(layout, group))
+
+
+def _build_node_layout(layout: AttentionLayout, group: int) -> tuple[AttentionLayout, torch.Tensor]:
     ring, g = layout.ring, group
-    k = ring.size // g
+    d, k = ring.size, ring.size // group
     node, j = divmod(ring.position, g)
     column = Ring(tuple(ring.members[m * g + j] for m in range(k)), node)
     t = layout.num_tokens
     slots, rows, offset = [], [], 0
     for slot in layout.slots:
-        c, o = slot.chunk, slot.offset
-        big = g * c
-        real = tuple(real_tokens_at(slot.length, k, p, big) for p in range(k))
+        o, first, real = slot.offset, slot.first_by_position, slot.real_by_position
+        # the sequence's 2D parts (sizes from what every position holds), then the node's 2k:
+        # node part P is parts P*G .. P*G + G - 1
+        sizes = list(first) + [real[p] - first[p] for p in reversed(range(d))]
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        node_parts = [(bounds[q * g], bounds[(q + 1) * g]) for q in range(2 * k)]
+        node_first = tuple(node_parts[m][1] - node_parts[m][0] for m in range(k))
+        node_real = tuple(node_first[m] + node_parts[2 * k - 1 - m][1] - node_parts[2 * k - 1 - m][0]
+                          for m in range(k))
         slots.append(SequenceSlot(
-            seq=slot.seq, length=slot.length, chunk=big, offset=offset, num_local=2 * big,
-            parts=((node * big, (node + 1) * big), ((2 * k - 1 - node) * big, (2 * k - node) * big)),
-            num_real=real[node], real_by_position=real,
+            seq=slot.seq, length=slot.length, chunk=g * slot.chunk, offset=offset, num_local=g * slot.num_local,
+            parts=(node_parts[node], node_parts[2 * k - 1 - node]), num_real=node_real[node],
+            real_by_position=node_real, first_by_position=node_first,
         ))
-        front = [torch.arange(src * t + o, src * t + o + c) for src in range(g)]
-        back = [torch.arange(src * t + o + c, src * t + o + 2 * c) for src in reversed(range(g))]
-        rows += front + back
-        offset += 2 * big
+        # a member's slot holds its first part's real rows, its second part's, then padding;
+        # the node's: the G first parts (members in order), the G second parts (reversed), padding
+        members = [(src, node * g + src) for src in range(g)]
+        front = [torch.arange(src * t + o, src * t + o + first[p]) for src, p in members]
+        back = [torch.arange(src * t + o + first[p], src * t + o + real[p]) for src, p in reversed(members)]
+        pad = [torch.arange(src * t + o + real[p], src * t + o + slot.num_local) for src, p in members]
+        rows += front + back + pad
+        offset += g * slot.num_local
     return AttentionLayout(ring=column, slots=tuple(slots), num_tokens=offset), torch.cat(rows)
 
 
@@ -136,7 +153,7 @@ def _charge(record: MicroBatchCommStats | None, part: MicroBatchCommStats, *, in
 
 class _TwoLevelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, hdp, scale, backend, record):  # noqa: D401
+    def forward(ctx, q, k, v, layout, group, hdp, scale, backend, record, dkv_wire):  # noqa: D401
         ring = layout.ring
         g = group
         node_index = ring.position // g
@@ -153,24 +170,24 @@ class _TwoLevelAttention(torch.autograd.Function):
         _charge(record, intra, inter=False)
         _charge(record, inter, inter=True)
         ctx.save_for_backward(qn, kn, vn, out_n, lse, rows, back)
-        ctx.args = (n_layout, g, node, hdp, scale, backend, record, ring)
+        ctx.args = (n_layout, g, node, hdp, scale, backend, record, ring, dkv_wire)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qn, kn, vn, out_n, lse, rows, back = ctx.saved_tensors
-        n_layout, g, node, hdp, scale, backend, record, ring = ctx.args
+        n_layout, g, node, hdp, scale, backend, record, ring, dkv_wire = ctx.args
         intra, inter = MicroBatchCommStats(), MicroBatchCommStats()
         (dout_n,) = _heads_to_rows([dout.contiguous()], g, node, ring.rank, hdp, ring, intra)
         dout_n = dout_n.index_select(0, rows.to(dout_n.device))
         dq, dk, dv = ring_attention_backward(dout_n, qn, kn, vn, out_n, lse, n_layout, hdp, softmax_scale=scale,
-                                             backend=backend, counters=inter)
+                                             backend=backend, counters=inter, dkv_wire=dkv_wire)
         back_d = back.to(dq.device)
         dq, dk, dv = _rows_to_heads([x.index_select(0, back_d) for x in (dq, dk, dv)], g, node, ring.rank, hdp,
                                     ring, intra)
         _charge(record, intra, inter=False)
         _charge(record, inter, inter=True)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def two_level_ring_attention(
@@ -184,11 +201,12 @@ def two_level_ring_attention(
     softmax_scale: float | None = None,
     backend: str | None = None,
     counters: CommCounters | MicroBatchCommStats | None = None,
+    dkv_wire: str = "accumulator",
 ) -> torch.Tensor:
     """:func:`.ring_attention` for rings over several whole nodes, two-level (module docstring).
 
     Same arguments and result as :func:`.ring_attention` plus ``topology`` (the node of every
-    HDP rank, as the planner saw it). Rings that are not two-level (inside one node, not whole
+    HDP rank, as the planner saw it); ``dkv_wire`` applies to the ring between nodes. Rings that are not two-level (inside one node, not whole
     nodes, k/v heads not divisible by the members per node) run the flat ring. Counters get
     the bytes sent inside the node and between nodes (``intra_node_bytes_sent``,
     ``inter_node_bytes_sent``) besides the totals.
@@ -196,7 +214,7 @@ def two_level_ring_attention(
     g = two_level_plan(layout, topology, k.shape[1])
     if g == 1:
         return ring_attention(q, k, v, layout, hdp, softmax_scale=softmax_scale, backend=backend,
-                              counters=counters)
+                              counters=counters, dkv_wire=dkv_wire)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if q.shape[0] != layout.num_tokens:
@@ -204,4 +222,4 @@ def two_level_ring_attention(
     hdp.check_ring(layout.ring)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     record = counters.current() if isinstance(counters, CommCounters) else counters
-    return _TwoLevelAttention.apply(q, k, v, layout, g, hdp, scale, backend, record)
+    return _TwoLevelAttention.apply(q, k, v, layout, g, hdp, scale, backend, record, dkv_wire)
