@@ -306,7 +306,7 @@ def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
     ddp_config = getattr(model, "ddp_config", None)
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP yet: a rank that runs no "
+            "overlap_grad_reduce=True is not supported with HDP: a rank that runs no "
             "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
             "expects it to; use overlap_grad_reduce=False"
         )
