@@ -75,6 +75,12 @@ def calibrate_cost_model(
             the same as ``kv_bytes_per_token`` (right for an fp32 model).
         repeats: timings per length; the minimum is kept (least disturbed by other processes).
     """
+    if manager.pp_size > 1:
+        raise ValueError(
+            "calibrate_cost_model times whole-model micro-batches on one rank, which a pipeline "
+            "stage cannot run alone; calibrate in a PP = 1 run of the same model and pass the "
+            "saved model (--bytescale-cost-model), or use the analytic cost model"
+        )
     hdp = manager.hdp
     layers = int(model.config.num_layers)
     payload: list = [None]

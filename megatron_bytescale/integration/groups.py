@@ -95,12 +95,6 @@ class HDPParallelLayout:
                 f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
                 f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
             )
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} cannot be "
-                "combined with --bytescale-hdp in this version; run with "
-                "--pipeline-model-parallel-size 1"
-            )
         if self.expert_model_parallel_size != 1:
             raise ValueError(
                 f"--expert-model-parallel-size {self.expert_model_parallel_size} cannot be "

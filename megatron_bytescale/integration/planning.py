@@ -19,12 +19,17 @@ def make_step_planner(
     cost_model: CostModel,
     scheduler: Optional[str] = None,
     global_ranks: Optional[Sequence[int]] = None,
+    pp_size: int = 1,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
     The function is deterministic (same lengths, same plan on every rank), which the
     ``every_rank`` plan mode relies on. ``global_ranks`` (the global rank of every HDP rank;
     default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`).
+    ``pp_size`` must be the run's pipeline depth (``HDPGroupManager.pp_size``): with PP > 1
+    the balance scheduler plans PP-Balance (ring micro-batches at the same local index in every
+    member pipeline, which the 1F1B driver needs), and the drivers refuse a plan made for
+    another depth. It must divide the cost model's layers.
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -40,6 +45,7 @@ def make_step_planner(
                 "--bytescale-offload"
             )
 
+    cost_model.layers_per_stage(pp_size)  # refuses a depth that does not divide the layers
     topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
 
     def plan(lengths: list[int]) -> StepPlan:
@@ -49,7 +55,7 @@ def make_step_planner(
             hdp_size=hdp_size,
             capacity=capacity,
             cost_model=cost_model,
-            pp_size=1,
+            pp_size=pp_size,
             offload=config.offload,
             overlong=config.overlong,
             align=config.align,
