@@ -183,7 +183,7 @@ def run_hdp_step(
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    check_model_config(config)
+    check_model_config(config, manager)
     _refuse_overlapped_reduction(model)
     if counters is None:
         from megatron_bytescale.runtime import CommCounters
@@ -372,8 +372,12 @@ def _warn_about_offload(step: "HDPStep") -> None:
         )
 
 
-def check_model_config(config: Any) -> None:
-    """Refuse model configs with which the HDP step would compute the wrong gradients."""
+def check_model_config(config: Any, manager: Optional[HDPGroupManager] = None) -> None:
+    """Refuse model configs with which the HDP step would compute the wrong gradients.
+
+    With ``manager``, the model's pipeline depth must also be the one Megatron runs (a model
+    built for other stages would hold the wrong layers and send or wait for the wrong peers).
+    """
     if not config.calculate_per_token_loss:
         raise ValueError(
             "HDP needs calculate_per_token_loss=True (--calculate-per-token-loss): ranks train "
@@ -385,6 +389,13 @@ def check_model_config(config: Any) -> None:
             "config.finalize_model_grads_func is not set; set it to "
             "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
             "HDP group"
+        )
+    model_pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if manager is not None and model_pp != manager.pp_size:
+        raise ValueError(
+            f"the model is built for pipeline_model_parallel_size {model_pp}, but Megatron runs "
+            f"{manager.pp_size} pipeline stage(s); build the config after "
+            "initialize_hdp_model_parallel (make_transformer_config reads the layout)"
         )
 
 
