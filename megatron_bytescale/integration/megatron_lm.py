@@ -117,6 +117,12 @@ def check_args(args: Any) -> Optional[HDPParallelLayout]:
 
 def _check_hdp_args(args: Any) -> HDPParallelLayout:
     layout = HDPParallelLayout.from_megatron_args(args)
+    if layout.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size {layout.tensor_model_parallel_size} cannot be combined "
+            "with --bytescale-hdp in pretrain_gpt.py of this version (megatron-core loops can "
+            "use it: see docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
+        )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
             raise ValueError(f"{flag} cannot be combined with --bytescale-hdp: {why}")
