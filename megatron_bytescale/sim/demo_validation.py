@@ -7,32 +7,51 @@ micro-batch's CPU time (``results.json``). Here every step is planned again with
 calibrated cost model (the plan hash must match: same plan, so any difference is the model of
 time, not the plan), simulated with :func:`.step.simulate_step`, and compared:
 
-* **busy time per rank**: CPU seconds in micro-batches, predicted = the sum of the rank's
+* **busy time per rank**: CPU seconds in micro-batches; predicted = the sum of the rank's
   micro-batch times;
-* **step time, one core per rank**: the slowest rank's busy time (what the demo's
-  "tokens/busy-s" column uses), and the ratios static / balance and naive / balance;
+* **step time, one core per rank**: the slowest rank's busy time (the demo's "tokens/busy-s"
+  column), and the ratios static / balance and naive / balance;
 * **step time on the machine**: the micro-batch phase's wall time. The demo's ranks share
   fewer cores than there are ranks, so the prediction is ``max(phase with one core per rank,
   total busy CPU seconds / cores)``: nobody runs faster than on a core of its own, and all
-  ranks together never get more than the machine's cores;
-* **per ring size**: measured over predicted CPU time of all micro-batches with that ring size,
-  which says which term is off (local packs test ``T(s)``, rings add the communication and the
-  calibrated ring step overhead).
+  ranks together never get more than the machine's cores (other work on the machine takes
+  cores too, which this cannot know);
+* **per micro-batch**: measured against predicted CPU time by ring size and by the number of
+  documents a micro-batch carries, which shows which term of the model is off.
+  :func:`fit_residual_terms` fits ``measured = scale * predicted + per_doc_step * documents *
+  ring size`` (rings only) to those records: ``scale`` is a slowdown of everything (cores
+  shared with the other ranks and other work, which the single-process calibration does not
+  see), ``per_doc_step`` a cost per document per ring step that the cost model does not have.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..planner.cost_model import CostModel
+from ..planner.estimate import micro_batch_costs
 from ..planner.schedulers import make_plan
 from .step import simulate_step
 
 MODES = ("static", "naive", "balance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchSample:
+    """One rank's measured micro-batch next to its prediction."""
+
+    dataset: str
+    mode: str
+    step: int
+    rank: int
+    ring_size: int
+    documents: int
+    predicted_s: float
+    measured_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,18 +73,13 @@ class ModeValidation:
     predicted_phase_shared_s: float
     """The same on ``cores`` cores: max(dedicated, total busy / cores)."""
     cores: int
-    by_ring_size: dict[int, tuple[float, float, int]] = field(default_factory=dict)
-    """Ring size -> (measured CPU s, predicted CPU s, micro-batches), summed over ranks and steps."""
+    samples: tuple[MicroBatchSample, ...] = ()
 
     @property
     def busy_error(self) -> float:
         """Mean absolute relative error of the per-rank busy times."""
         m, p = np.asarray(self.measured_busy_by_rank), np.asarray(self.predicted_busy_by_rank)
         return float(np.mean(np.abs(p - m) / np.maximum(m, 1e-12)))
-
-
-def _sum(x: Sequence[float]) -> float:
-    return float(np.sum(np.asarray(x, dtype=np.float64)))
 
 
 def validate_mode(
@@ -79,11 +93,10 @@ def validate_mode(
 ) -> ModeValidation:
     """Replan, simulate and compare every step in ``steps`` (the demo's rows of one mode)."""
     ranks = len(steps[0]["busy_s"])
-    measured_busy = np.zeros(ranks)
-    predicted_busy = np.zeros(ranks)
+    measured_busy, predicted_busy = np.zeros(ranks), np.zeros(ranks)
     measured_max = predicted_max = measured_wall = dedicated = shared = 0.0
     matching = 0
-    by_size: dict[int, list[float]] = {}
+    samples: list[MicroBatchSample] = []
     for row in steps:
         if "lengths" not in row:
             raise ValueError("this results.json has no per-step lengths; rerun bytescale demo to record them")
@@ -103,29 +116,24 @@ def validate_mode(
         measured_wall += float(row.get("phase_wall_s", row["wall_s"]))
         dedicated += result.micro_batch_phase_s
         shared += max(result.micro_batch_phase_s, float(result.rank_busy_s.sum()) / cores)
-        seconds = _order_seconds(plan, cost_model)
-        for records in row.get("micro_batch_records", []):
+        costs = micro_batch_costs(plan, cost_model)
+        seconds = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+        documents = {mb.order: len(mb.seqs) for rp in plan.ranks for mb in rp.micro_batches}
+        for rank, records in enumerate(row.get("micro_batch_records", [])):
             for order, ring_size, _tokens, cpu_s, _wall_s in records:
-                acc = by_size.setdefault(int(ring_size), [0.0, 0.0, 0])
-                acc[0] += float(cpu_s)
-                acc[1] += seconds[int(order)]
-                acc[2] += 1
+                samples.append(MicroBatchSample(
+                    dataset=dataset, mode=mode, step=int(row["step"]), rank=rank, ring_size=int(ring_size),
+                    documents=documents[int(order)], predicted_s=seconds[int(order)], measured_s=float(cpu_s),
+                ))  # fmt: skip
     n = len(steps)
     return ModeValidation(
         dataset=dataset, mode=mode, steps=n, plans_matching=matching,
-        measured_busy_by_rank=tuple(measured_busy / n), predicted_busy_by_rank=tuple(predicted_busy / n),
+        measured_busy_by_rank=tuple(float(x) for x in measured_busy / n),
+        predicted_busy_by_rank=tuple(float(x) for x in predicted_busy / n),
         measured_max_busy_s=measured_max / n, predicted_max_busy_s=predicted_max / n,
         measured_phase_wall_s=measured_wall / n, predicted_phase_dedicated_s=dedicated / n,
-        predicted_phase_shared_s=shared / n, cores=cores,
-        by_ring_size={k: (v[0], v[1], int(v[2])) for k, v in sorted(by_size.items())},
+        predicted_phase_shared_s=shared / n, cores=cores, samples=tuple(samples),
     )  # fmt: skip
-
-
-def _order_seconds(plan: Any, cost_model: CostModel) -> dict[int, float]:
-    from ..planner.estimate import micro_batch_costs
-
-    costs = micro_batch_costs(plan, cost_model)
-    return dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
 
 
 def validate_demo(results: Mapping[str, Any], *, cores: int | None = None, skip_first: bool = True) -> list[ModeValidation]:
@@ -181,4 +189,74 @@ def ratio_checks(validations: Sequence[ModeValidation]) -> list[RatioCheck]:
             out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / balance", kind="wall",
                                   measured=v.measured_phase_wall_s / base.measured_phase_wall_s,
                                   predicted=v.predicted_phase_shared_s / base.predicted_phase_shared_s))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResidualTerms:
+    """``measured = scale * predicted + per_doc_step * documents * ring size`` (rings only)."""
+
+    scale: float
+    per_doc_step_s: float
+    """Seconds per document per ring step, all layers, forward and backward together."""
+    samples: int
+
+    def corrected(self, s: MicroBatchSample) -> float:
+        extra = self.per_doc_step_s * s.documents * s.ring_size if s.ring_size > 1 else 0.0
+        return self.scale * s.predicted_s + extra
+
+
+def fit_residual_terms(samples: Sequence[MicroBatchSample]) -> ResidualTerms:
+    """Least squares of the two terms over ``samples`` (see the module docstring)."""
+    if len(samples) < 2:
+        raise ValueError("need at least 2 micro-batch samples to fit the residual terms")
+    pred = np.array([s.predicted_s for s in samples])
+    docs = np.array([s.documents * s.ring_size if s.ring_size > 1 else 0 for s in samples], dtype=np.float64)
+    meas = np.array([s.measured_s for s in samples])
+    coef, *_ = np.linalg.lstsq(np.stack([pred, docs], axis=1), meas, rcond=None)
+    return ResidualTerms(scale=float(coef[0]), per_doc_step_s=float(coef[1]), samples=len(samples))
+
+
+def held_out_ratio_checks(validations: Sequence[ModeValidation]) -> list[RatioCheck]:
+    """The busy-time ratios again with the residual terms fitted on the *other* datasets'
+    micro-batches (leave one dataset out), applied to this one's: whether the two terms
+    explain the miss rather than absorb it."""
+    datasets = list(dict.fromkeys(v.dataset for v in validations))
+    out: list[RatioCheck] = []
+    for dataset in datasets:
+        train = [s for v in validations if v.dataset != dataset for s in v.samples]
+        if len(datasets) < 2 or not train:
+            continue
+        terms = fit_residual_terms(train)
+        busy: dict[str, float] = {}
+        measured: dict[str, float] = {}
+        for v in validations:
+            if v.dataset != dataset:
+                continue
+            per_step_rank: dict[tuple[int, int], float] = {}
+            for s in v.samples:
+                per_step_rank[(s.step, s.rank)] = per_step_rank.get((s.step, s.rank), 0.0) + terms.corrected(s)
+            steps = sorted({k[0] for k in per_step_rank})
+            busy[v.mode] = float(np.mean([max(per_step_rank.get((st, r), 0.0) for r in range(len(v.measured_busy_by_rank)))
+                                          for st in steps]))
+            measured[v.mode] = v.measured_max_busy_s
+        for mode in ("static", "naive"):
+            if mode in busy and "balance" in busy:
+                out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / balance", kind="busy, held-out terms",
+                                      measured=measured[mode] / measured["balance"],
+                                      predicted=busy[mode] / busy["balance"]))
+    return out
+
+
+def ratio_by_documents(samples: Sequence[MicroBatchSample], bins: Sequence[int] = (1, 2, 5, 20)) -> list[tuple[str, str, int, float]]:
+    """(kind, documents range, micro-batches, mean measured / predicted) for local packs and rings."""
+    edges = list(bins) + [1 << 30]
+    out = []
+    for kind, keep in (("local pack", lambda s: s.ring_size == 1), ("ring", lambda s: s.ring_size > 1)):
+        for lo, hi in zip(edges, edges[1:]):
+            sel = [s for s in samples if keep(s) and lo <= s.documents < hi]
+            if sel:
+                label = f"{lo}" if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi < 1 << 30 else f">= {lo}")
+                ratio = sum(s.measured_s for s in sel) / sum(s.predicted_s for s in sel)
+                out.append((kind, label, len(sel), ratio))
     return out
