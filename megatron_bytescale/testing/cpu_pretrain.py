@@ -14,7 +14,8 @@ tree runs Megatron's own code.
 
 Two probe lines let tests check a run without parsing Megatron's rounded log:
 ``HDPLOSS <loss>`` (the last rank, every training iteration, full precision) and
-``HDPCHECK rank R micro_batches N rings [...] forward_only B`` (every rank, every HDP step).
+``HDPCHECK rank R micro_batches N rings [...] forward_only B tokens T`` (every rank, every HDP
+step; T: tokens of the whole global batch).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def install_probes() -> None:
     def probed_run(step, **kwargs):
         rings = sorted(mb.ring_size for mb in step.micro_batches)
         print(f"HDPCHECK rank {dist.get_rank()} micro_batches {step.num_micro_batches} "
-              f"rings {rings} forward_only {kwargs.get('forward_only')}", flush=True)
+              f"rings {rings} forward_only {kwargs.get('forward_only')} "
+              f"tokens {step.global_batch.total_tokens}", flush=True)
         return run(step, **kwargs)
 
     megatron_lm_step.run_micro_batches = probed_run

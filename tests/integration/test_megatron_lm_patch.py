@@ -71,8 +71,11 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
     assert plain.values["dataloader_type"] == "single"
 
 
-PRETRAIN_FLAGS = [*(f for f in TINY_GPT[:-4] if f != "--mock-data"), "--group-query-attention",
-                  "--num-query-groups", "2", "--ffn-hidden-size", "128",
+PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+                  "--seq-length", "512", "--max-position-embeddings", "512",
+                  "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                   "--transformer-impl", "local",
                   "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
                   "--lr-decay-style", "constant", "--use-cpu-initialization", "--clip-grad", "0.0",
@@ -81,6 +84,9 @@ PRETRAIN_FLAGS = [*(f for f in TINY_GPT[:-4] if f != "--mock-data"), "--group-qu
                   "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                   "--no-persist-layer-norm", "--distributed-backend", "gloo", "--seed", "1234",
                   "--bytescale-hdp"]
+# Batch-size ramp-up 2 -> 4 over 4 samples: steps of 2, 2, 4, 4 samples (x 512 tokens).
+RAMPUP = ["--rampup-batch-size", "2", "2", "4", "--train-samples", "12"]
+STEP_SAMPLES = [2, 2, 4, 4]
 
 
 def _pretrain(tree: PatchedMegatronLM, workdir: Path, ranks: int, *flags: str) -> str:
@@ -96,24 +102,33 @@ def _losses(stdout: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def pretrain_runs(patched_megatron_lm, tmp_path_factory):
-    """Four iterations (evaluation at 2 and 4) on 2 ranks (capacity 256, checkpoints at 2 and
-    4 in ``runs["ckpt"]``) and on 1 (512), on an indexed dataset; the data flags are under the
-    key ``"data"``."""
+    """Four iterations (evaluation at 2 and 4) with a batch-size ramp-up on a weighted blend of
+    two indexed datasets, on 2 ranks (capacity 256, checkpoints at 2 and 4 in
+    ``runs["ckpt"]``) and on 1 (512); the data flags are under the key ``"data"``."""
     workdir = tmp_path_factory.mktemp("pretrain")
-    prefix = workdir / "corpus_text_document"
-    write_indexed_dataset(prefix, random_documents(3, 200, vocab=255))
-    data = ["--data-path", str(prefix), "--split", "90,5,5"]
+    write_indexed_dataset(workdir / "a_text_document", random_documents(3, 200, vocab=255))
+    write_indexed_dataset(workdir / "b_text_document", random_documents(4, 100, vocab=255))
+    data = ["--data-path", "0.7", str(workdir / "a_text_document"), "0.3",
+            str(workdir / "b_text_document"), "--split", "90,5,5", *RAMPUP]
     runs: dict[Any, Any] = {"data": data, "ckpt": workdir / "ckpt"}
-    runs[2] = _pretrain(patched_megatron_lm, workdir, 2, *data, "--train-iters", "4",
-                        "--bytescale-capacity", "256", "--save", str(runs["ckpt"]),
-                        "--save-interval", "2")
-    runs[1] = _pretrain(patched_megatron_lm, workdir, 1, *data, "--train-iters", "4",
-                        "--bytescale-capacity", "512")
+    runs[2] = _pretrain(patched_megatron_lm, workdir, 2, *data, "--bytescale-capacity", "256",
+                        "--save", str(runs["ckpt"]), "--save-interval", "2")
+    runs[1] = _pretrain(patched_megatron_lm, workdir, 1, *data, "--bytescale-capacity", "512")
     return runs
 
 
+def _train_steps(stdout: str) -> list[tuple[int, int]]:
+    """(micro-batches summed over ranks, global-batch tokens) of each training step."""
+    checks = re.findall(r"HDPCHECK rank (\d) micro_batches (\d+) rings \[[^\]]*\] "
+                        r"forward_only False tokens (\d+)", stdout)
+    ranks = len({rank for rank, _, _ in checks})
+    steps = [checks[i:i + ranks] for i in range(0, len(checks), ranks)]
+    return [(sum(int(c[1]) for c in step), int(step[0][2])) for step in steps]
+
+
 def test_patched_pretrain_gpt_trains_on_cpu_ranks(pretrain_runs):
-    """The patched train loop on 2 ranks (rings, per-rank counts) equals 1 rank, step by step."""
+    """The patched train loop on 2 ranks (rings, per-rank counts) equals 1 rank, step by step,
+    on a weighted blend with the token budget growing as Megatron ramps the batch size up."""
     one, two = _losses(pretrain_runs[1]), _losses(pretrain_runs[2])
     assert len(one) == 4 and len(two) == 4
     for a, b in zip(one, two):
@@ -124,20 +139,28 @@ def test_patched_pretrain_gpt_trains_on_cpu_ranks(pretrain_runs):
     rings = {int(r) for *_, ring_list, _ in checks for r in ring_list.split(", ") if r}
     assert 2 in rings, "the 2-rank run never formed a ring over both ranks"
     assert any(fo == "True" for *_, fo in checks), "evaluation did not run through the hook"
+    for run in (pretrain_runs[1], pretrain_runs[2]):
+        tokens = [t for _, t in _train_steps(run)]
+        assert len(tokens) == 4
+        for got, samples in zip(tokens, STEP_SAMPLES):
+            assert samples * 512 - 2 < got <= samples * 512
+        assert re.findall(r"global batch size:\s+(\d+)", run) == ["2", "2", "4", "4"]
 
 
 def test_patched_pretrain_gpt_resumes_from_a_checkpoint(patched_megatron_lm, pretrain_runs,
                                                         tmp_path):
-    """Load the checkpoint of iteration 2, train 3-4: the same losses as the uninterrupted run."""
+    """Load the checkpoint of iteration 2 (mid ramp-up), train 3-4: the same batch sizes and
+    losses as the uninterrupted run."""
     ckpt, data = pretrain_runs["ckpt"], pretrain_runs["data"]
     assert (ckpt / "iter_0000002").is_dir() and (ckpt / "iter_0000004").is_dir()
     resume = tmp_path / "ckpt"
     shutil.copytree(ckpt / "iter_0000002", resume / "iter_0000002")
     (resume / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = _pretrain(patched_megatron_lm, tmp_path, 2, *data, "--train-iters", "4",
-                        "--bytescale-capacity", "256", "--load", str(resume))
+    resumed = _pretrain(patched_megatron_lm, tmp_path, 2, *data, "--bytescale-capacity", "256",
+                        "--load", str(resume))
     assert re.search(r"successfully loaded checkpoint from .* at iteration 2", resumed)
     straight = _losses(pretrain_runs[2])
     assert len(_losses(resumed)) == 2
+    assert _train_steps(resumed) == _train_steps(pretrain_runs[2])[2:]
     for a, b in zip(_losses(resumed), straight[2:]):
         assert abs(a - b) / abs(a) <= TOLERANCE
