@@ -13,7 +13,6 @@ Errors exit with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,28 +21,21 @@ from typing import Any, Sequence
 import numpy as np
 
 from .plan_inputs import (
+    OneLineArgumentParser,
     add_cluster_arguments,
     add_data_arguments,
     add_scheduling_arguments,
     load_cost_model,
     load_lengths,
     load_topology,
+    run_command,
 )
 
 SCHEDULER_ORDER = ("balance", "naive", "static", "pow2")
 
 
-class _UsageError(Exception):
-    """Bad command line, reported like every other error (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineArgumentParser(
         prog="bytescale plan",
         description="Plan one global batch over HDP ranks with ByteScale's schedulers and show "
                     "what each would cost (estimated with the analytic or a saved cost model).",
@@ -211,16 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bytescale plan``; returns the exit status."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-        return run(args)
-    except _UsageError as exc:
-        print(f"bytescale plan: error: {exc} (see bytescale plan --help)", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, ImportError, json.JSONDecodeError) as exc:
-        print(f"bytescale plan: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command("bytescale plan", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

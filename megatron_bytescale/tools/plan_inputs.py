@@ -9,13 +9,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 DEFAULT_GLOBAL_TOKENS = 32 * 2**20
 DEFAULT_CONTEXT = 2_097_152
+
+
+class UsageError(Exception):
+    """Bad command line, reported like every other error (one line, exit 2)."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump), like every other error."""
+
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def run_command(prog: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+                argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run; bad input of any kind is one line on stderr and exit status 2."""
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        return run(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError, json.JSONDecodeError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .plan_inputs import (
+    OneLineArgumentParser,
     DEFAULT_CONTEXT,
     add_cluster_arguments,
     add_data_arguments,
@@ -30,22 +31,14 @@ from .plan_inputs import (
     load_cost_model,
     load_lengths,
     load_topology,
+    run_command,
 )
-
-
-class _UsageError(Exception):
-    """Bad command line, reported like every other error (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise _UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ..sim.variants import VARIANTS
 
-    p = _Parser(
+    p = OneLineArgumentParser(
         prog="bytescale simulate",
         description="Simulate training steps of static DP x CP, Megatron hybrid CP and ByteScale's "
                     "HDP variants side by side on the same global batches: step time, tokens/s per "
@@ -262,16 +255,7 @@ def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bytescale simulate``; returns the exit status."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-        return run(args)
-    except _UsageError as exc:
-        print(f"bytescale simulate: error: {exc} (see bytescale simulate --help)", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, ImportError, json.JSONDecodeError) as exc:
-        print(f"bytescale simulate: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command("bytescale simulate", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

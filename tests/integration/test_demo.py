@@ -88,6 +88,13 @@ def test_demo_runs_end_to_end(tmp_path):
     saved = json.loads((out / "cost_model.json").read_text())
     assert saved == results["calibration"]["cost_model"]
     assert saved["ring_step_overhead_s"] >= 0.0 and saved["num_layers"] == 1
+    # every step is recorded well enough for the simulator to replan it identically
+    from megatron_bytescale.sim.demo_validation import validate_demo
+
+    for v in validate_demo(results, skip_first=False):
+        assert v.plans_matching == v.steps == 3, (v.dataset, v.mode)
+        assert len(v.samples) == sum(sum(s["micro_batches"]) for s in modes[v.mode]["steps"])
+        assert all(s.measured_s > 0 and s.predicted_s > 0 for s in v.samples)
 
 
 def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path):
