@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
 
         _progress(args, "plotting ...")
         panels = [(n, plans[n]) for n in SCHEDULER_ORDER if n in plans]
-        plot_gantt(panels, cost_model, args.plot)
-        print(f"wrote Gantt chart to {args.plot}")
+        written = plot_gantt(panels, cost_model, args.plot)
+        print(f"wrote Gantt chart to {written}")
     return 0
 
 

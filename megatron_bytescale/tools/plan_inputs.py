@@ -30,6 +30,17 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a count, a number of tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def run_command(prog: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
                 argv: Sequence[str] | None) -> int:
     """Parse ``argv`` and run; bad input of any kind is one line on stderr and exit status 2."""
@@ -51,10 +62,10 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                       "or a Megatron indexed dataset (.idx, .bin or prefix); default: --synthetic")
     data.add_argument("--synthetic", choices=["github", "byted", "lognormal", "uniform"], default=None,
                       help="synthetic dataset when no file is given (default byted)")
-    data.add_argument("--global-tokens", type=int, default=DEFAULT_GLOBAL_TOKENS,
+    data.add_argument("--global-tokens", type=positive_int, default=DEFAULT_GLOBAL_TOKENS,
                       help=f"tokens of the synthetic batch (default {DEFAULT_GLOBAL_TOKENS:,})")
     data.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch (default 0)")
-    data.add_argument("--context-length", type=int, default=None,
+    data.add_argument("--context-length", type=positive_int, default=None,
                       help="longest allowed sequence and the static baseline's context; also the "
                            f"synthetic max length (default {DEFAULT_CONTEXT:,} for synthetic data, "
                            "the longest sequence for files)")
@@ -63,10 +74,10 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The ``cluster and model`` group: HDP size, capacity, PP/TP, model or cost model, nodes."""
     cluster = p.add_argument_group("cluster and model")
-    cluster.add_argument("--hdp-size", type=int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
-    cluster.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
-    cluster.add_argument("--pp-size", type=int, default=None, help="pipeline stages (default: the model preset's)")
-    cluster.add_argument("--tensor-model-parallel-size", type=int, default=None,
+    cluster.add_argument("--hdp-size", type=positive_int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
+    cluster.add_argument("--capacity", type=positive_int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
+    cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
+    cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
                          help="TP degree (default: the model preset's)")
     cluster.add_argument("--model", default="llama-7b",
                          help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
@@ -85,9 +96,9 @@ def add_scheduling_arguments(group: Any) -> None:
     """Scheduler settings every scheduler shares: overlong handling, alignment, Alg. 2's knobs."""
     group.add_argument("--overlong", choices=["error", "drop", "truncate"], default="error",
                        help="what to do with a sequence that cannot fit (default error)")
-    group.add_argument("--align", type=int, default=1, help="zigzag padding alignment per part (default 1)")
+    group.add_argument("--align", type=positive_int, default=1, help="zigzag padding alignment per part (default 1)")
     group.add_argument("--delta", type=float, default=0.05, help="Alg. 2 threshold, fraction of max time (default 0.05)")
-    group.add_argument("--num-buckets", type=int, default=4, help="Alg. 2 equal-work buckets (default 4)")
+    group.add_argument("--num-buckets", type=positive_int, default=4, help="Alg. 2 equal-work buckets (default 4)")
 
 
 def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
@@ -99,10 +110,15 @@ def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
         if path.suffix in (".idx", ".bin") or (not path.exists() and Path(str(path) + ".idx").exists()):
             from ..integration.indexed_lengths import read_indexed_lengths
 
-            return read_indexed_lengths(path), f"Megatron index {path}"
-        from ..data.lengths import read_lengths
+            lengths, source = read_indexed_lengths(path), f"Megatron index {path}"
+        else:
+            from ..data.lengths import read_lengths
 
-        return read_lengths(path), f"file {path}"
+            lengths, source = read_lengths(path), f"file {path}"
+        if len(lengths) == 0:
+            raise ValueError(f"{source} holds no sequences (no lengths, or only empty documents): "
+                             "nothing to plan")
+        return lengths, source
     from ..data.synthetic import synthetic_lengths
 
     name = args.synthetic or "byted"

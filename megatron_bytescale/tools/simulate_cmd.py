@@ -31,6 +31,7 @@ from .plan_inputs import (
     load_cost_model,
     load_lengths,
     load_topology,
+    positive_int,
     run_command,
 )
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--contexts", default=None, metavar="LIST",
                      help="sweep context lengths, e.g. 256K,512K,1M,2M (synthetic data: each context "
                           "draws its own batch with that maximum length)")
-    sim.add_argument("--steps", type=int, default=1,
+    sim.add_argument("--steps", type=positive_int, default=1,
                      help="training steps per context (synthetic data: seeds --seed, --seed + 1, ...; default 1)")
     sim.add_argument("--model-params", type=float, default=None, metavar="N",
                      help="total model parameters for the gradient reduction and optimizer (default: the "
@@ -174,11 +175,6 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.sweep import format_tokens
 
     variants = parse_variants(args.variants)
-    for flag in ("hdp_size", "capacity", "align", "num_buckets"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) must be an integer >= 1")
-    if args.steps < 1:
-        raise ValueError(f"--steps ({args.steps}) must be >= 1")
     contexts = _contexts(args)
     cost_model, pp = load_cost_model(args)
     cost_model = _with_links(args, cost_model)
