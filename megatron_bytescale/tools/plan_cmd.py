@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_row(name, plan, dt))
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
-          f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}")
+          f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"{', two-level rings' if args.two_level_ring else ''}")
     _print_table(rows, failed)
     for plan in plans.values():
         _report_overlong(plan)

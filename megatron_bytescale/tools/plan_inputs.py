@@ -87,6 +87,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--ranks-per-node", type=int, default=None,
                          help="HDP ranks per node: HDP rank r is on node r // N (default: the cost "
                               "model's, GPUs per node / TP for the presets)")
+    cluster.add_argument("--two-level-ring", action="store_true",
+                         help="cost rings over several whole nodes as two-level (head-split all-to-all "
+                              "in the node, ring between nodes), as --bytescale-two-level-ring runs them")
     cluster.add_argument("--node-map", default=None, metavar="FILE",
                          help="node of every HDP rank instead of --ranks-per-node: a JSON list or one "
                               "integer per line, HDP rank order")
@@ -129,16 +132,19 @@ def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
 def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     """The cost model (``--cost-model`` file, else the ``--model`` preset at its or the given
-    TP) and the PP size (``--pp-size``, else the preset's, else 1)."""
+    TP; two-level rings with ``--two-level-ring``) and the PP size (``--pp-size``, else the
+    preset's, else 1)."""
     from ..planner.cost_model import CostModel
     from ..planner.presets import model_spec, preset_cost_model
 
     if args.cost_model:
-        cm = CostModel.load(args.cost_model)
-        return cm, args.pp_size or 1
-    spec = model_spec(args.model)
-    cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size)
-    return cm, args.pp_size or spec.pipeline_parallel_size
+        cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
+    else:
+        cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size)
+        pp = args.pp_size or model_spec(args.model).pipeline_parallel_size
+    if getattr(args, "two_level_ring", False):
+        cm = cm.with_(two_level_ring=True)
+    return cm, pp
 
 
 def load_topology(args: argparse.Namespace, cost_model: Any) -> Any:

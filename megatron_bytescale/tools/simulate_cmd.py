@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no variant could plan the batch: {summaries[0].error}")
     print(f"bytescale simulate: {source}; {setup.num_gpus:,} GPUs = {args.hdp_size:,} HDP ranks x TP {tp} "
           f"x PP {pp}, capacity {args.capacity:,}, {topology.ranks_per_node} HDP ranks per node, "
-          f"cost model {cost_model.name}; {overhead_line}")
+          f"cost model {cost_model.name}{', two-level rings' if cost_model.two_level_ring else ''}; {overhead_line}")
     print(summary_table(summaries))
     print(f"({NOTE})")
     for line in errors(summaries):
