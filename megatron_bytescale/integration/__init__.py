@@ -16,6 +16,7 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the schedule driver (PP = 1 and 1F1B)
 ``run_pipeline_micro_batches``        one stage's 1F1B over its pipeline's planned micro-batches
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
+``HDPStepMetrics``                    a step's HDP metrics (``StepRecord.hdp``, Megatron's log)
 ====================================  =====================================================
 """
 
@@ -48,6 +49,7 @@ _EXPORTS = {
     "hdp_forward_step": "schedule",
     "token_level_loss": "schedule",
     "StepRecord": "schedule",
+    "HDPStepMetrics": "step_metrics",
     "calibrate_cost_model": "calibration",
 }
 
