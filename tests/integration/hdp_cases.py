@@ -11,6 +11,8 @@ of loss tokens. fp32 throughout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any
 
@@ -138,7 +140,7 @@ def _entry_point_refusals() -> dict[str, str]:
     for name, kwargs in {
         "cp": dict(context_parallel_size=2),
         "hybrid": dict(hybrid_context_parallel=True),
-        "pp": dict(pipeline_model_parallel_size=2),
+        "vpp": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
     }.items():
         try:
             initialize_hdp_model_parallel(**kwargs)
@@ -235,6 +237,9 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "p2p_bytes": record.p2p_bytes,
+            "busy_s": record.busy_s,
+            "plan_wait_s": step.plan_wait_s,
+            "hdp": dataclasses.asdict(record.hdp),
             "two_level_rings": 0 if two_level is None else sum(
                 two_level.two_level_group(r) > 1 for r in {mb.ring for mb in step.plan.ranks[rank].micro_batches}),
             "bytes_by_level": (counters.steps[-1].total.intra_node_bytes_sent,
