@@ -14,6 +14,7 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ``make_step_planner``                 ByteScaleConfig + cost model -> ``lengths -> StepPlan``
 ``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the PP = 1 schedule driver
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
+``HDPStepMetrics``                    a step's HDP metrics (``StepRecord.hdp``, Megatron's log)
 ====================================  =====================================================
 """
 
@@ -44,6 +45,7 @@ _EXPORTS = {
     "hdp_forward_step": "schedule",
     "token_level_loss": "schedule",
     "StepRecord": "schedule",
+    "HDPStepMetrics": "step_metrics",
     "calibrate_cost_model": "calibration",
 }
 

@@ -36,6 +36,7 @@ import torch
 
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
+from .step_metrics import HDPStepMetrics, gather_step_metrics
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
@@ -145,6 +146,9 @@ class StepRecord:
     reduced_at: float
     finished_at: float
     update_successful: bool
+    hdp: Optional[HDPStepMetrics] = None
+    """The step's HDP metrics, the same on every rank (rings, micro-batches per rank, balance,
+    slowest / fastest busy time, P2P bytes, plan wait, offloaded micro-batches)."""
 
     @property
     def tokens(self) -> int:
@@ -218,6 +222,9 @@ def run_hdp_step(
     update_successful, _grad_norm, _zeros = optimizer.step()
     optimizer_wall_s = time.perf_counter() - opt0
 
+    hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
+        step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
+        group=manager.hdp.group))  # fmt: skip
     loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
     return StepRecord(
         step=step.index,
@@ -234,6 +241,7 @@ def run_hdp_step(
         reduced_at=reduced_at,
         finished_at=time.time(),
         update_successful=bool(update_successful),
+        hdp=hdp,
     )
 
 
@@ -298,7 +306,7 @@ def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
     ddp_config = getattr(model, "ddp_config", None)
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP yet: a rank that runs no "
+            "overlap_grad_reduce=True is not supported with HDP: a rank that runs no "
             "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
             "expects it to; use overlap_grad_reduce=False"
         )
