@@ -31,6 +31,24 @@ DkvWire = Literal["accumulator", "input"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
 
 
+class RefusedArguments(ValueError):
+    """Every reason why ``--bytescale-hdp`` cannot run with the arguments given, at once.
+
+    ``reasons`` holds one sentence per refused argument, each saying what is unsupported and
+    what to do; the message lists them all, so a user fixes the command line in one go.
+    """
+
+    def __init__(self, reasons: "list[str] | tuple[str, ...]") -> None:
+        self.reasons = tuple(reasons)
+        if len(self.reasons) == 1:
+            message = self.reasons[0]
+        else:
+            message = f"--bytescale-hdp cannot run with these {len(self.reasons)} arguments:\n" + (
+                "\n".join(f"  - {reason}" for reason in self.reasons)
+            )
+        super().__init__(message)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ByteScaleConfig:
     """Everything the plugin needs to know beyond Megatron's own arguments."""
@@ -102,6 +120,13 @@ class ByteScaleConfig:
     sit on node global_rank // this. The planner keeps rings that fit a node inside one (NVLink)
     and spreads longer rings over the fewest nodes. Default: LOCAL_WORLD_SIZE (set by
     torchrun), else the cost model's ranks per node."""
+
+    two_level_ring: bool = False
+    """Rings over several whole nodes run two-level: an all-to-all inside each node splits the
+    heads (NVLink), and only a ring of one rank per node crosses the network, with every NIC of
+    the node busy. Divides the network time of long rings by the ranks per node; the planner
+    sizes long rings in whole nodes and keeps the flat plan when it is faster. Needs the
+    key/value heads per tensor-parallel rank divisible by the HDP ranks per node."""
 
     check_plan_hash: bool = True
     """All-gather the plan's content hash every step and stop with an error naming the ranks if

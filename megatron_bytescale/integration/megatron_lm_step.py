@@ -1,4 +1,4 @@
-"""The HDP training step as Megatron-LM's ``train_step`` and ``evaluate`` call it (PP = 1).
+"""The HDP training step as Megatron-LM's ``train_step`` and ``evaluate`` call it.
 
 :func:`hdp_forward_backward` has the signature of megatron-core's ``forward_backward_func``.
 Megatron's ``train_step`` zeroes the gradient buffers, calls it once per step, steps the
@@ -21,7 +21,7 @@ import torch
 
 from .config import ByteScaleConfig
 from .groups import HDPGroupManager
-from .schedule import run_micro_batches
+from .schedule import check_trained_loss_tokens, run_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
                          num_microbatches: int, forward_only: bool = False,
                          collect_non_loss_data: bool = False, force_all_reduce: bool = False,
                          **_megatron_kwargs: Any) -> list[dict[str, torch.Tensor]]:
-    """Megatron's ``forward_backward_func`` for HDP (PP = 1).
+    """Megatron's ``forward_backward_func`` for HDP (with PP > 1: this stage's part, 1F1B).
 
     Takes the step's :class:`HDPStep` from ``data_iterator`` (one ``next()`` per step) and
     runs this rank's planned micro-batches, ignoring ``num_microbatches`` (Megatron's fixed
@@ -86,7 +86,8 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     ``config.finalize_model_grads_func`` with this rank's loss-token count (all-reduced there
     over the HDP group). Returns the per-micro-batch ``{'lm loss': [loss_sum, tokens]}``
     reports; a rank without micro-batches returns one zero report, so it still joins
-    ``train_step``'s all-reduce of the loss.
+    ``train_step``'s all-reduce of the loss. In training, every report also carries the step's
+    HDP metrics (:mod:`.megatron_lm_metrics`), which Megatron logs with the loss.
     """
     from megatron.core.utils import get_model_config
 
@@ -110,31 +111,36 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     config = get_model_config(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    _, tokens, store = run_micro_batches(step, model=model, config=config,
-                                         manager=get_hdp_manager(),
-                                         forward_step_func=forward_step_func,
-                                         forward_only=forward_only)
+    from megatron_bytescale.runtime import CommCounters
+
+    manager = get_hdp_manager()
+    records, tokens, store = run_micro_batches(step, model=model, config=config,
+                                               manager=manager,
+                                               forward_step_func=forward_step_func,
+                                               forward_only=forward_only,
+                                               counters=CommCounters())
+    check_trained_loss_tokens(step, records, manager)  # on the host: no device read-back (D12)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens if config.calculate_per_token_loss else None,
             force_all_reduce=force_all_reduce,
         )  # fmt: skip
-        if config.calculate_per_token_loss and int(tokens) != step.global_loss_tokens:
-            raise RuntimeError(
-                f"the HDP ranks trained {int(tokens)} loss tokens, the global batch has "
-                f"{step.global_loss_tokens}: the plan lost or duplicated tokens"
-            )
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if not store:
         store.append({"lm loss": torch.zeros(2, device=tokens.device)})
+    if not forward_only:  # the step's HDP metrics: Megatron's log line, TensorBoard, W&B
+        from .megatron_lm_metrics import report_step_metrics
+
+        report_step_metrics(step, records, store, manager=manager, args=megatron_args())
     return store
 
 
 def _only(value: Any, what: str) -> Any:
     if isinstance(value, (list, tuple)):
         if len(value) != 1:
-            raise ValueError(f"HDP runs one {what} (PP = 1, no virtual stages), got {len(value)}")
+            raise ValueError(f"HDP runs one {what} per rank (no virtual pipeline stages), got "
+                             f"{len(value)}")
         return value[0]
     return value
 

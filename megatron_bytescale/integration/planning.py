@@ -19,12 +19,20 @@ def make_step_planner(
     cost_model: CostModel,
     scheduler: Optional[str] = None,
     global_ranks: Optional[Sequence[int]] = None,
+    topology: Optional[Topology] = None,
+    pp_size: int = 1,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
     The function is deterministic (same lengths, same plan on every rank), which the
     ``every_rank`` plan mode relies on. ``global_ranks`` (the global rank of every HDP rank;
-    default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`).
+    default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`), unless
+    ``topology`` gives the nodes. ``--bytescale-two-level-ring`` plans with two-level rings
+    (the runtime must then run them: ``HDPGroupManager.two_level_topology``).
+    ``pp_size`` must be the run's pipeline depth (``HDPGroupManager.pp_size``): with PP > 1
+    the balance scheduler plans PP-Balance (ring micro-batches at the same local index in every
+    member pipeline, which the 1F1B driver needs), and the drivers refuse a plan made for
+    another depth. It must divide the cost model's layers.
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -40,7 +48,11 @@ def make_step_planner(
                 "--bytescale-offload"
             )
 
-    topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
+    cost_model.layers_per_stage(pp_size)  # refuses a depth that does not divide the layers
+    if topology is None:
+        topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
+    if config.two_level_ring:
+        cost_model = cost_model.with_(two_level_ring=True)
 
     def plan(lengths: list[int]) -> StepPlan:
         return make_plan(
@@ -49,7 +61,7 @@ def make_step_planner(
             hdp_size=hdp_size,
             capacity=capacity,
             cost_model=cost_model,
-            pp_size=1,
+            pp_size=pp_size,
             offload=config.offload,
             overlong=config.overlong,
             align=config.align,
@@ -94,3 +106,17 @@ def hdp_topology(
     if len(ranks) != hdp_size:
         raise ValueError(f"global_ranks names {len(ranks)} ranks but the HDP group has {hdp_size}")
     return Topology.from_global_ranks(ranks, per_node)
+
+
+def check_two_level_heads(num_kv_heads_per_rank: int, topology: Topology) -> None:
+    """Raise unless the key/value heads of one tensor-parallel rank split over the HDP ranks of a
+    node (the two-level ring's all-to-all gives each of them ``heads / ranks`` of every head
+    kind)."""
+    per_node = topology.ranks_per_node
+    if per_node > 1 and num_kv_heads_per_rank % per_node:
+        raise ValueError(
+            f"--bytescale-two-level-ring splits the {num_kv_heads_per_rank} key/value heads of a "
+            f"tensor-parallel rank over the {per_node} HDP ranks of a node, which does not divide "
+            f"them; use a tensor-parallel size that leaves a multiple of {per_node} key/value "
+            "heads per rank, or run without --bytescale-two-level-ring"
+        )

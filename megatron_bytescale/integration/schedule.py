@@ -1,4 +1,4 @@
-"""The HDP schedule driver for pipeline-parallel size 1.
+"""The HDP schedule driver (pipeline-parallel size 1; PP > 1 in :mod:`.pipeline_schedule`).
 
 Megatron's ``forward_backward_no_pipelining`` assumes every data-parallel rank runs at least
 one micro-batch (it always runs "the last one" outside ``no_sync``). Under the balance
@@ -30,12 +30,14 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
 import torch
 
 from .compat import megatron_backward_step, megatron_forward_step
+from .grad_sync import gather_params_without_forward, install_ordered_grad_sync
 from .groups import HDPGroupManager
+from .step_metrics import HDPStepMetrics, gather_step_metrics
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
@@ -145,6 +147,9 @@ class StepRecord:
     reduced_at: float
     finished_at: float
     update_successful: bool
+    hdp: Optional[HDPStepMetrics] = None
+    """The step's HDP metrics, the same on every rank (rings, micro-batches per rank, balance,
+    slowest / fastest busy time, P2P bytes, plan wait, offloaded micro-batches)."""
 
     @property
     def tokens(self) -> int:
@@ -183,8 +188,7 @@ def run_hdp_step(
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    check_model_config(config)
-    _refuse_overlapped_reduction(model)
+    check_model_config(config, manager)
     if counters is None:
         from megatron_bytescale.runtime import CommCounters
 
@@ -201,24 +205,35 @@ def run_hdp_step(
     busy_s = sum(r.busy_s for r in records)
     micro_batches_done_at = time.time()
     counters.end_step()
+    check_trained_loss_tokens(step, records, manager)
 
     total_tokens = local_tokens
     reduce0 = time.perf_counter()
     config.finalize_model_grads_func([model], total_tokens)
-    reduce_wall_s = time.perf_counter() - reduce0
+    reduce_wall_s = time.perf_counter() - reduce0  # on CUDA: until the reduction is queued
     reduced_at = time.time()
-    if int(total_tokens) != step.global_loss_tokens:
-        raise RuntimeError(
-            f"step {step.index}: the HDP ranks trained {int(total_tokens)} loss tokens, the "
-            f"global batch has {step.global_loss_tokens}; the plan or the micro-batch builder "
-            "lost or duplicated tokens"
-        )
 
     opt0 = time.perf_counter()
     update_successful, _grad_norm, _zeros = optimizer.step()
     optimizer_wall_s = time.perf_counter() - opt0
 
-    loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
+    # read device values back only now, once, after the optimizer step (D12)
+    trained_tokens = int(total_tokens)
+    if trained_tokens != step.global_loss_tokens:
+        raise RuntimeError(
+            f"step {step.index}: the HDP ranks trained {trained_tokens} loss tokens, the "
+            f"global batch has {step.global_loss_tokens}; the plan or the micro-batch builder "
+            "lost or duplicated tokens"
+        )
+
+    hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
+        step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
+        group=manager.hdp.group))  # fmt: skip
+    loss_sum = (
+        float(torch.stack([d["lm loss"][0] for d in forward_data_store]).sum())
+        if forward_data_store
+        else 0.0
+    )
     return StepRecord(
         step=step.index,
         hdp_rank=step.hdp_rank,
@@ -234,6 +249,7 @@ def run_hdp_step(
         reduced_at=reduced_at,
         finished_at=time.time(),
         update_successful=bool(update_successful),
+        hdp=hdp,
     )
 
 
@@ -249,14 +265,31 @@ def run_micro_batches(
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
     """This rank's micro-batches of ``step`` in plan order, through megatron-core's step functions.
 
-    Forward (and, unless ``forward_only``, backward) of every micro-batch with the micro-batch
-    bound to ``manager`` so the core attention finds its ring. Gradient sync is deferred with
-    ``config.no_sync_func`` (when set; without overlapped reduction there is nothing to defer)
-    to the last micro-batch; the reduction itself is the caller's (``finalize_model_grads``).
+    Forward (and, unless ``forward_only``, backward) of every micro-batch inside
+    :func:`micro_batch_scope` (the micro-batch bound to ``manager`` so the core attention finds
+    its ring). Gradient sync is deferred with ``config.no_sync_func`` (when set; without
+    overlapped reduction there is nothing to defer) to the last micro-batch; the reduction
+    itself is the caller's (``finalize_model_grads``). With pipeline parallelism this stage's
+    part runs in 1F1B order instead (:mod:`.pipeline_schedule`). With overlapped reduction the
+    bucket groups are issued in one fixed order on every rank, and a rank without micro-batches
+    still takes part in every parameter gather (:mod:`.grad_sync`). Nothing here reads a device
+    value back to the host (D12).
 
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
-    Megatron's ``forward_data_store`` (the loss reports).
+    Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
     """
+    if not forward_only:
+        install_ordered_grad_sync(model)
+        if step.num_micro_batches == 0:
+            gather_params_without_forward(model)
+    if manager.pp_size > 1:
+        from .pipeline_schedule import run_pipeline_micro_batches
+
+        return run_pipeline_micro_batches(
+            step, model=model, config=config, manager=manager,
+            forward_step_func=forward_step_func, counters=counters, forward_only=forward_only,
+        )  # fmt: skip
+    check_plan_pipeline(step, 1)
     count = step.num_micro_batches
     no_sync = config.no_sync_func or contextlib.nullcontext
     records: list[MicroBatchRecord] = []
@@ -266,26 +299,28 @@ def run_micro_batches(
         deferred = not forward_only and index < count - 1
         traffic = counters.start_micro_batch(planned.order) if counters is not None else None
         busy0, wall0 = time.process_time(), time.perf_counter()
-        with (no_sync() if deferred else contextlib.nullcontext()), manager.bind(tensors, counters):
-            output, num_tokens = megatron_forward_step(
-                forward_step_func,
-                iter([tensors]),
-                model,
-                num_microbatches=count,
-                forward_data_store=forward_data_store,
-                config=config,
-                is_first_microbatch=index == 0,
-                current_microbatch=index,
-            )
+        with no_sync() if deferred else contextlib.nullcontext():
+            with micro_batch_scope(manager, tensors, counters, phase="forward"):
+                output, num_tokens = megatron_forward_step(
+                    forward_step_func,
+                    iter([tensors]),
+                    model,
+                    num_microbatches=count,
+                    forward_data_store=forward_data_store,
+                    config=config,
+                    is_first_microbatch=index == 0,
+                    current_microbatch=index,
+                )
             if not forward_only:
-                megatron_backward_step(output, model, config)
+                with micro_batch_scope(manager, tensors, counters, phase="backward"):
+                    megatron_backward_step(output, model, config)
         local_tokens += num_tokens.to(local_tokens.device)
         records.append(
             MicroBatchRecord(
                 order=planned.order,
                 ring_size=planned.ring_size,
                 tokens=planned.num_tokens,
-                loss_tokens=int(num_tokens),
+                loss_tokens=tensors.num_loss_tokens,
                 p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
                 busy_s=time.process_time() - busy0,
                 wall_s=time.perf_counter() - wall0,
@@ -294,13 +329,39 @@ def run_micro_batches(
     return records, local_tokens, forward_data_store
 
 
-def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
-    ddp_config = getattr(model, "ddp_config", None)
-    if ddp_config is not None and ddp_config.overlap_grad_reduce:
+@contextlib.contextmanager
+def micro_batch_scope(
+    manager: HDPGroupManager,
+    micro_batch: "MicroBatchTensors",
+    counters: Optional["CommCounters"],
+    *,
+    phase: Literal["forward", "backward"],
+) -> Iterator["MicroBatchTensors"]:
+    """What wraps the forward, and separately the backward, of one micro-batch in every driver.
+
+    Both drivers (PP = 1 here, 1F1B in :mod:`.pipeline_schedule`, where other micro-batches run
+    between a micro-batch's forward and its backward) enter it, so per-micro-batch hooks
+    belong here. It binds the micro-batch to the HDP group manager: the core attention reads
+    its ring and layout, in the backward too (activation recomputation reruns the forward).
+    """
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase ({phase!r}) must be 'forward' or 'backward'")
+    with manager.bind(micro_batch, counters):
+        yield micro_batch
+
+
+def check_plan_pipeline(step: "HDPStep", pp_size: int) -> None:
+    """Refuse a plan made for another pipeline depth than the run's.
+
+    PP-Balance keeps a ring micro-batch at the same local index in every member pipeline,
+    which keeps 1F1B deadlock-free; a plan made for PP = 1 does not (and its estimate has no
+    bubbles). A PP plan at PP = 1 would train, but its estimate would describe another run.
+    """
+    if step.plan.pp_size != pp_size:
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP yet: a rank that runs no "
-            "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
-            "expects it to; use overlap_grad_reduce=False"
+            f"step {step.index}: the plan was made for {step.plan.pp_size} pipeline stage(s), "
+            f"this run has --pipeline-model-parallel-size {pp_size}; build the planner with "
+            f"pp_size={pp_size} (make_step_planner(..., pp_size=...))"
         )
 
 
@@ -324,8 +385,46 @@ def _warn_about_offload(step: "HDPStep") -> None:
         )
 
 
-def check_model_config(config: Any) -> None:
-    """Refuse model configs with which the HDP step would compute the wrong gradients."""
+def planned_loss_tokens(step: "HDPStep") -> int:
+    """Loss tokens this rank's micro-batches carry according to the plan (host arithmetic).
+
+    Every real token has a label except the last of its sequence, wherever it is placed.
+    """
+    lengths = step.plan.sequence_lengths()
+    return sum(
+        piece.end - piece.start - (piece.end == lengths[piece.seq])
+        for micro_batch in step.micro_batches
+        for piece in micro_batch.pieces
+    )
+
+
+def check_trained_loss_tokens(
+    step: "HDPStep", records: list[MicroBatchRecord], manager: Optional[HDPGroupManager] = None
+) -> None:
+    """Raise if the micro-batches built on this rank carry other loss tokens than planned.
+
+    Host integers only (the micro-batch builder counts its loss mask on the host), so the
+    check costs no device synchronisation; the plan's own total is checked by
+    ``StepPlan.validate``. With pipeline parallelism only the last stage counts loss tokens.
+    """
+    rank_map = getattr(manager, "rank_map", None)
+    if rank_map is not None and not rank_map.is_last_stage:
+        return
+    trained, planned = sum(r.loss_tokens for r in records), planned_loss_tokens(step)
+    if trained != planned:
+        raise RuntimeError(
+            f"step {step.index}: HDP rank {step.hdp_rank} trained {trained} loss tokens, its "
+            f"micro-batches in the plan carry {planned}; the micro-batch builder lost or "
+            "duplicated tokens"
+        )
+
+
+def check_model_config(config: Any, manager: Optional[HDPGroupManager] = None) -> None:
+    """Refuse model configs with which the HDP step would compute the wrong gradients.
+
+    With ``manager``, the model's pipeline depth must also be the one Megatron runs (a model
+    built for other stages would hold the wrong layers and send or wait for the wrong peers).
+    """
     if not config.calculate_per_token_loss:
         raise ValueError(
             "HDP needs calculate_per_token_loss=True (--calculate-per-token-loss): ranks train "
@@ -338,9 +437,13 @@ def check_model_config(config: Any) -> None:
             "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
             "HDP group"
         )
-    if getattr(config, "pipeline_model_parallel_size", 1) != 1:
-        raise ValueError("pipeline_model_parallel_size > 1 cannot be combined with HDP in this "
-                         "version; use pipeline_model_parallel_size=1")
+    model_pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if manager is not None and model_pp != manager.pp_size:
+        raise ValueError(
+            f"the model is built for pipeline_model_parallel_size {model_pp}, but Megatron runs "
+            f"{manager.pp_size} pipeline stage(s); build the config after "
+            "initialize_hdp_model_parallel (make_transformer_config reads the layout)"
+        )
 
 
 def _grad_device(model: torch.nn.Module) -> torch.device:

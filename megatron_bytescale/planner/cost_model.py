@@ -69,9 +69,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .plan import MAX_SEQUENCE_LENGTH
+
 logger = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
+_MAX_COST_MODEL_BYTES = 2**20
 
 @dataclass(frozen=True)
 class RingTimeTerms:
@@ -102,7 +105,7 @@ class RingTimeTerms:
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
-    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s",
+    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
 )
 
 
@@ -145,20 +148,29 @@ class CostModel:
     """Share of the attention time spent in forward (2/7 for FlashAttention-2: 2 of 7 s^2 GEMMs)."""
     forward_fraction: float = 1.0 / 3.0
     """Share of a micro-batch's time spent in forward (1/3 for GEMMs); used by the 1F1B model."""
+    two_level_ring: bool = False
+    """Rings over several whole nodes run two-level (the runtime's --bytescale-two-level-ring):
+    heads are split inside each node by an all-to-all over NVLink and only a ring of one rank
+    per node crosses the network (see :meth:`ring_time_from_sums` and docs/two_level_ring.md)."""
+    q_bytes_per_token: float = 0.0
+    """Query bytes per token per layer per TP rank (= the attention output's); what the
+    two-level ring's all-to-all moves besides K and V."""
     source: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"cost model {self.name!r}: num_layers ({self.num_layers!r}) must be an integer >= 1")
-        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ValueError(f"cost model {self.name!r}: ranks_per_node ({self.ranks_per_node!r}) must be an integer >= 1")
+        for name in ("num_layers", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
+        if not isinstance(self.two_level_ring, bool):
+            raise ValueError(f"cost model {self.name!r}: two_level_ring ({self.two_level_ring!r}) must be true or false")
         if self.dkv_bytes_per_token is not None and not (
-            isinstance(self.dkv_bytes_per_token, (int, float)) and self.dkv_bytes_per_token >= 0
+            _is_number(self.dkv_bytes_per_token) and self.dkv_bytes_per_token >= 0
         ):
             raise ValueError(f"cost model {self.name!r}: dkv_bytes_per_token ({self.dkv_bytes_per_token!r}) must be >= 0 or None")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be a finite number >= 0")
         for name in ("d2h_bandwidth", "h2d_bandwidth", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "alpha2"):
             if getattr(self, name) <= 0:
@@ -166,6 +178,33 @@ class CostModel:
         for name in ("attention_forward_fraction", "forward_fraction"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be in (0, 1)")
+        self._check_no_overflow()
+
+    def _check_no_overflow(self) -> None:
+        """Refuse coefficients so large that the planner's sums would overflow to inf (and
+        then print NaN): the costs of the longest sequence the planner accepts, over every layer
+        and a million micro-batches, must stay finite."""
+        s = float(MAX_SEQUENCE_LENGTH)
+        headroom = float(self.num_layers) * 2.0**20
+        kv = self.kv_bytes_per_token + self.dkv_bytes
+        terms = (
+            ("alpha1", self.alpha1 * s * s),
+            ("beta1", self.beta1 * s),
+            ("gamma", self.gamma),
+            ("alpha2", self.alpha2 * s),
+            ("alpha2", self.alpha2 * s / self.offload_bandwidth),
+            ("beta2", self.beta2 / self.offload_bandwidth),
+            ("kv_bytes_per_token", kv * s / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
+            ("p2p_latency_s", self.p2p_latency_s + self.ring_step_overhead_s),
+        )
+        for name, value in terms:
+            if not math.isfinite(value * headroom):
+                raise ValueError(
+                    f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) is out of range: "
+                    f"the cost of a {MAX_SEQUENCE_LENGTH}-token sequence would overflow (check it "
+                    "and the bandwidths). Coefficients are per layer, in seconds, bytes and "
+                    "bytes/s; on a GPU alpha1 is about 1e-12 s/token^2, beta1 about 1e-7 s/token"
+                )
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -236,6 +275,13 @@ class CostModel:
         unknown = sorted(set(data) - known - {"version"})
         if unknown:
             raise ValueError(f"cost model JSON has unknown fields {unknown}; known: {sorted(known)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(
+                f"cost model JSON lacks the fields {missing}; write it with CostModel.save (e.g. "
+                "the cost_model.json of a bytescale demo run), which stores every field"
+            )
         return cls(**{k: v for k, v in data.items() if k != "version"})
 
     def save(self, path: str | Path) -> None:
@@ -245,14 +291,25 @@ class CostModel:
     def load(cls, path: str | Path) -> "CostModel":
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            with p.open("rb") as handle:
+                raw = handle.read(_MAX_COST_MODEL_BYTES + 1)
         except OSError as exc:
             raise ValueError(f"cannot read cost model file {str(p)!r}: {exc.strerror or exc}") from exc
+        if len(raw) > _MAX_COST_MODEL_BYTES:
+            raise ValueError(f"cost model file {str(p)!r} is over 1 MiB: not a CostModel.save file")
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"cost model file {str(p)!r} is not text (a binary file?); expected the JSON "
+                "written by CostModel.save"
+            ) from None
+        except ValueError as exc:  # JSONDecodeError, or an absurdly long number
+            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost model file {str(p)!r}: {exc}") from None
 
     # ------------------------------------------------------------------ per layer
     def layer_time(self, s: Any) -> Any:
@@ -303,14 +360,21 @@ class CostModel:
         layers: int,
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
+        node_group: Any = 1,
     ) -> Any:
         """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
 
         See the module docstring for the formula; ``ring_size`` 1 means a local micro-batch.
-        It is the sum of :meth:`ring_time_terms`.
+        ``node_group`` G > 1 (with ``two_level_ring``) costs a two-level ring of D / G nodes of G
+        members: an all-to-all inside each node before and after attention, moving
+        ``(G - 1) / G`` of every member's q, k, v, out forward and their gradients backward
+        over NVLink, then a ring of D / G steps between nodes, each step computing 1 / (D / G)
+        of the member's attention while the next node's K/V (dK/dV backward) arrives over the
+        network. It is the sum of :meth:`ring_time_terms`.
         """
         out = self.ring_time_terms(
-            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node
+            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node,
+            node_group=node_group,
         ).total
         return float(out) if out.ndim == 0 else out
 
@@ -323,24 +387,32 @@ class CostModel:
         layers: int,
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
+        node_group: Any = 1,
     ) -> "RingTimeTerms":
         """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
-        ``layers`` layers): the simulator reports where a step goes with the planner's own model."""
+        ``layers`` layers): the simulator reports where a step goes with the planner's own model.
+        A two-level ring's all-to-alls count as exposed communication."""
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
         r = np.asarray(offload_ratio, dtype=np.float64)
-        bw = np.where(np.asarray(intra_node, dtype=bool), self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
+        g = np.asarray(node_group, dtype=np.float64) if self.two_level_ring else np.ones_like(d)
+        g = np.where(d > g, g, 1.0)  # a ring inside one node is flat
+        two = g > 1
+        bw = np.where(np.asarray(intra_node, dtype=bool) & ~two, self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
         share = sp / d
         linear = self.beta1 * share + self.gamma
         attn = self.alpha1 * sp2 / d
-        c_f = attn * self.attention_forward_fraction / d
-        c_b = attn / d - c_f
+        positions = d / g  # ring steps: D flat, D / G nodes two-level
+        c_f = attn * self.attention_forward_fraction / positions
+        c_b = attn / positions - c_f
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
-        steps = d - 1.0
-        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b)
-        overhead = steps * self.ring_step_overhead_s
+        steps = positions - 1.0
+        a2a_comm = np.where(two, 4 * self.p2p_latency_s + 2 * (g - 1) / g * share * (
+            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra, 0.0)
+        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b) + a2a_comm
+        overhead = (steps + np.where(two, 2.0, 0.0)) * self.ring_step_overhead_s
         layer = linear + attn + exposed_comm + overhead
         exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
         return RingTimeTerms(
@@ -348,8 +420,20 @@ class CostModel:
             exposed_comm=layers * exposed_comm,
             step_overhead=layers * overhead,
             exposed_offload=layers * exposed_offload,
-            comm=layers * steps * (m_f + m_b),
+            comm=layers * (steps * (m_f + m_b) + a2a_comm),
         )
+
+    def two_level_bytes(self, sum_p: Any, ring_size: Any, node_group: Any, *, layers: int) -> tuple[Any, Any]:
+        """``(intra-node, inter-node)`` bytes all members of two-level rings send over ``layers``
+        layers: ``layers * sum(P) * 2 (G - 1) / G * (2 q + kv)`` in the all-to-alls and
+        ``layers * (D / G - 1) * (2 kv + dkv) * sum(P)`` on the ring between nodes."""
+        sp = np.asarray(sum_p, dtype=np.float64)
+        d = np.asarray(ring_size, dtype=np.float64)
+        g = np.asarray(node_group, dtype=np.float64)
+        g = np.where(d > g, g, 1.0)
+        intra = layers * sp * 2 * (g - 1) / g * (2 * self.q_bytes_per_token + self.kv_bytes_per_token)
+        inter = layers * (d / g - 1) * self.ring_bytes_per_token * sp
+        return intra, inter
 
     def micro_batch_time(
         self,
@@ -360,17 +444,19 @@ class CostModel:
         offload_ratio: float = 0.0,
         align: int = 1,
         intra_node: bool = True,
+        node_group: int = 1,
     ) -> float:
         """Seconds one member of a ring of ``ring_size`` spends on a micro-batch of ``lengths``.
 
         ``layers`` is the number of layers the rank runs (all of them without PP, one stage's
-        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network.
+        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network;
+        ``node_group`` > 1 costs a two-level ring (see :meth:`ring_time_from_sums`).
         """
         p = self.padded_lengths(lengths, ring_size, align).astype(np.float64)
         return float(
             self.ring_time_from_sums(
                 p.sum(), (p * p).sum(), ring_size, layers=layers,
-                offload_ratio=offload_ratio, intra_node=intra_node,
+                offload_ratio=offload_ratio, intra_node=intra_node, node_group=node_group,
             )
         )
 
@@ -406,6 +492,11 @@ class CostModel:
     def with_(self, **changes: Any) -> "CostModel":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, not a bool (JSON ``true`` must not pass for 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _samples_array(samples: Iterable[Sequence[float]], what: str) -> np.ndarray:

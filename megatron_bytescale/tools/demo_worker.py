@@ -17,13 +17,17 @@ import os
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_bytescale.runtime.liveness import Heartbeat
+
 from .demo_data import demo_global_batches, vocab_size_of
+from .demo_process import die_with_parent
 from .demo_settings import DemoSettings
 
 logger = logging.getLogger(__name__)
@@ -37,13 +41,21 @@ def main(argv: list[str] | None = None) -> int:
         "--settings", required=True, help="DemoSettings JSON written by bytescale demo"
     )
     args = parser.parse_args(argv)
+    die_with_parent()  # torchrun gone (killed) -> this worker goes too, never trains alone
     settings = DemoSettings.load(args.settings)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    dist.init_process_group("gloo")
+    timeout = timedelta(minutes=settings.distributed_timeout_minutes)
+    dist.init_process_group("gloo", timeout=timeout)
+    heartbeat = Heartbeat.from_env(rank=dist.get_rank(), world_size=dist.get_world_size()).start()
     try:
-        results = run_demo(settings)
+        try:
+            results = run_demo(settings)
+        except RuntimeError:  # a collective failed: name the rank that stopped answering
+            if report_silent_ranks(heartbeat, timeout):
+                return 1
+            raise
         if dist.get_rank() == 0:
             out = Path(settings.out_dir)
             (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -52,8 +64,28 @@ def main(argv: list[str] | None = None) -> int:
             (out / "cost_model.json").write_text(json.dumps(cost_model, indent=2) + "\n", encoding="utf-8")
         dist.barrier()
     finally:
+        heartbeat.stop()
         dist.destroy_process_group()
     return 0
+
+
+def report_silent_ranks(heartbeat: Heartbeat, timeout: timedelta) -> bool:
+    """After a failed collective: if some ranks' heartbeats stopped, the lowest live rank says
+    which (once for the job, not once per rank); returns whether any rank was silent."""
+    silent = heartbeat.silent_ranks()
+    if not silent:
+        return False
+    live = [r for r in range(heartbeat.world_size) if r not in silent]
+    if live and heartbeat.rank == live[0]:
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+        print(
+            f"bytescale demo: {who} did not answer within {timeout.total_seconds():g} s (the HDP "
+            f"group timeout, --distributed-timeout-minutes) and {'is' if len(silent) == 1 else 'are'} "
+            "not alive either (stopped, e.g. by SIGSTOP, or hung); the other ranks gave up. "
+            "Raise --distributed-timeout-minutes if one step can legitimately take longer",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return True
 
 
 def given_cost_model(path: str, num_layers: int) -> Any:
@@ -97,7 +129,10 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         attention_backend=settings.attention_backend, check_plan_hash=settings.check_plan_hash,
         plan_prefetch=settings.plan_prefetch,
     )  # fmt: skip
-    manager = initialize_hdp_model_parallel(attention_backend=config.ring_attention_backend)
+    manager = initialize_hdp_model_parallel(
+        attention_backend=config.ring_attention_backend,
+        distributed_timeout_minutes=settings.distributed_timeout_minutes,
+    )
     datasets = []
     for name in settings.datasets:
         batches, description = demo_global_batches(name, settings)
@@ -134,6 +169,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     results: dict[str, Any] = {
         "settings": json.loads(settings.to_json()),
         "world_size": dist.get_world_size(),
+        "cpu_count": os.cpu_count(),
         "vocab_size": vocab_size,
         "calibration": {
             "cost_model": calibration.cost_model.to_dict(),
@@ -203,7 +239,9 @@ def train_mode(
             "p2p_bytes": record.p2p_bytes, "tokens": record.tokens, "loss_sum": record.loss_sum,
             "micro_batches": len(record.micro_batches), "started_at": record.started_at,
             "done_at": record.micro_batches_done_at, "finished_at": record.finished_at,
-            "plan_s": plan_s,
+            "plan_s": plan_s, "optimizer_wall_s": record.optimizer_wall_s,
+            # per micro-batch: order, ring size, tokens held, CPU seconds, wall seconds
+            "mb": [[m.order, m.ring_size, m.tokens, m.busy_s, m.wall_s] for m in record.micro_batches],
         }  # fmt: skip
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -234,6 +272,7 @@ def step_row(
         "tokens": step.total_tokens,
         "loss_tokens": step.global_loss_tokens,
         "wall_s": wall,
+        "phase_wall_s": max(r["done_at"] for r in per_rank) - min(r["started_at"] for r in per_rank),
         "tokens_per_s": step.total_tokens / wall if wall > 0 else 0.0,
         "p2p_bytes": sum(r["p2p_bytes"] for r in per_rank),
         "p2p_bytes_formula": p2p_bytes_formula,
@@ -246,6 +285,11 @@ def step_row(
         "ring_sizes": dict(sorted(Counter(step.plan.ring_sizes()).items())),
         "plan_s": max(r["plan_s"] for r in per_rank),
         "estimated_step_s": estimate.step_time_s if estimate is not None else None,
+        "optimizer_wall_s": [r["optimizer_wall_s"] for r in per_rank],
+        # what the simulator needs to replan and re-time this step (docs/reproduction.md)
+        "lengths": [s.length for s in sorted(step.plan.sequences, key=lambda s: s.id)],
+        "plan_hash": step.plan.content_hash(),
+        "micro_batch_records": [r["mb"] for r in per_rank],
     }
 
 

@@ -23,19 +23,22 @@ def test_megatron_sees_cp1_and_the_hdp_group_is_dp(results):
     assert all(r["hdp_size"] == 4 and r["megatron_cp"] == 1 for r in results)
 
 
-def test_entry_point_refuses_cp_hybrid_and_pp(results):
+def test_entry_point_refuses_cp_hybrid_and_virtual_pp(results):
     refusals = results[0]["refusals"]
     assert "--context-parallel-size 2" in refusals["cp"]
     assert "--hybrid-context-parallel" in refusals["hybrid"]
-    assert "--pipeline-model-parallel-size 2" in refusals["pp"]
+    assert "interleaved pipeline stages" in refusals["vpp"]
 
 
-@pytest.mark.parametrize("scheduler", ["balance", "naive", "static"])
+@pytest.mark.parametrize("scheduler", ["balance", "naive", "static", "balance-two-level"])
 def test_one_step_matches_single_process_reference(results, scheduler):
     ref_loss = results[0]["reference"]
     info = [r["grad"][scheduler] for r in results]
     if scheduler == "static":
         assert info[0]["ring_sizes"] == [4]
+    elif scheduler == "balance-two-level":  # 2 nodes of 2: the long sequence on a two-level ring
+        assert 4 in info[0]["ring_sizes"] and all(i["two_level_rings"] >= 1 for i in info)
+        assert all(i["bytes_by_level"][0] > 0 and i["bytes_by_level"][1] > 0 for i in info)
     else:
         assert {1, 2, 3} <= set(info[0]["ring_sizes"])
     if scheduler == "balance":
@@ -45,6 +48,29 @@ def test_one_step_matches_single_process_reference(results, scheduler):
     assert info[0]["grad_names_match"]
     worst = max(info[0]["grad_errors"].values())
     assert worst <= TOLERANCE, f"{scheduler}: max relative gradient error {worst:.2e}"
+
+
+@pytest.mark.parametrize("scheduler", ["balance", "static"])
+def test_step_record_carries_the_step_hdp_metrics(results, scheduler):
+    """The same metrics on every rank: the plan's rings and counts, the measured extremes."""
+    info = [r["grad"][scheduler] for r in results]
+    metrics = [i["hdp"] for i in info]
+    assert all(m == metrics[0] for m in metrics)
+    m, counts = metrics[0], info[0]["micro_batch_counts"]
+    sizes = {size for size, _ in m["rings_by_size"]}
+    assert sizes == set(info[0]["ring_sizes"])
+    assert m["rings"] == sum(n for size, n in m["rings_by_size"] if size > 1) > 0
+    assert m["largest_ring"] == max(sizes)
+    assert (m["micro_batches_min"], m["micro_batches_max"]) == (min(counts), max(counts))
+    assert m["micro_batches_mean"] == pytest.approx(sum(counts) / len(counts))
+    busy = [i["busy_s"] for i in info]
+    assert m["busy_max_s"] == pytest.approx(max(busy), rel=1e-6)
+    assert m["busy_min_s"] == pytest.approx(min(busy), rel=1e-6)
+    assert m["idle_fraction"] == pytest.approx(1 - sum(busy) / len(busy) / max(busy), abs=1e-6)
+    assert m["p2p_mb"] == pytest.approx(sum(i["p2p_bytes"] for i in info) / 1e6, rel=1e-6)
+    assert m["plan_wait_ms"] == pytest.approx(1e3 * max(i["plan_wait_s"] for i in info),
+                                              rel=1e-6, abs=1e-6)
+    assert m["estimated_balance"] >= 1.0 and m["offloaded_micro_batches"] == 0
 
 
 def test_loss_is_scaled_by_the_optimizer(results):
