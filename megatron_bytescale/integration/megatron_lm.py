@@ -68,8 +68,6 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
      _UNEVEN_STAGES),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
      _UNEVEN_STAGES),
-    ("overlap_grad_reduce", "--overlap-grad-reduce", "a rank that runs no micro-batch queues "
-     "no gradient bucket in backward, which the overlapped reduction waits for"),
     ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
      "token count (per-token loss), never by the number of ranks"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),

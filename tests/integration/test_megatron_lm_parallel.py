@@ -37,8 +37,6 @@ LLAMA3_EXAMPLE = Path("examples") / "llama" / "train_llama3_8b_h100_fp8.sh"
 # what docs/megatron_lm.md tells users to add to their launch script
 BYTESCALE_ADDITIONS = ["--bytescale-hdp", "--bytescale-capacity", "4096",
                        "--bytescale-scheduler", "balance"]
-# lifted by the GPU-runtime work; dropped below while the plugin still refuses them
-OVERLAP_FLAGS = ("--overlap-grad-reduce", "--overlap-param-gather")
 
 
 def example_flags(tree: PatchedMegatronLM, script: Path, workdir: Path) -> list[str]:
@@ -71,7 +69,8 @@ def with_flag(flags: list[str], name: str, value: str) -> list[str]:
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
                "data_parallel_size", "context_parallel_size", "calculate_per_token_loss",
                "dataloader_type", "bytescale_hdp", "bytescale_capacity",
-               "virtual_pipeline_model_parallel_size")
+               "virtual_pipeline_model_parallel_size", "overlap_grad_reduce",
+               "overlap_param_gather")
 
 
 def test_llama3_example_flags_with_tp_and_pp_pass_validate_args(patched_megatron_lm, tmp_path):
@@ -83,20 +82,15 @@ def test_llama3_example_flags_with_tp_and_pp_pass_validate_args(patched_megatron
         layout = with_flag(with_flag(flags, "--tensor-model-parallel-size", tp),
                            "--pipeline-model-parallel-size", pp)
         sets.append([*layout, *BYTESCALE_ADDITIONS])
-        sets.append([x for x in sets[-1] if x not in OVERLAP_FLAGS])
-        names += [name, f"{name} without overlap"]
+        names.append(name)
     sets.append([*sets[-1], "--num-layers-per-virtual-pipeline-stage", "4"])
     names.append("virtual stages")
     results = dict(zip(names, validate_megatron_flags(patched_megatron_lm, sets, LAYOUT_ARGS,
                                                       world_size=8)))
     for name, (tp, pp) in layouts.items():
-        full, reduced = results[name], results[f"{name} without overlap"]
-        # the example's --overlap-grad-reduce / --overlap-param-gather pass once the plugin
-        # serves them; until then they are refused by name, and everything else passes
-        if full.refused:
-            assert any(flag in _said(full) for flag in OVERLAP_FLAGS), full
-        assert not reduced.refused, f"{name}: {_said(reduced)}"
-        values = reduced.values
+        result = results[name]
+        assert not result.refused, f"{name}: {_said(result)}"
+        values = result.values
         assert (values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]) == (
             int(tp), int(pp))
         assert values["data_parallel_size"] == 8 // (int(tp) * int(pp))
@@ -104,6 +98,7 @@ def test_llama3_example_flags_with_tp_and_pp_pass_validate_args(patched_megatron
         assert values["calculate_per_token_loss"] and values["dataloader_type"] == "external"
         assert values["bytescale_hdp"] and values["bytescale_capacity"] == 4096
         assert values["virtual_pipeline_model_parallel_size"] is None
+        assert values["overlap_grad_reduce"] and values["overlap_param_gather"]  # the example's
     vpp = results["virtual stages"]
     assert vpp.refused and "interleaved pipeline stages" in _said(vpp)
 
