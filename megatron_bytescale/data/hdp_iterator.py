@@ -38,13 +38,27 @@ is not ready yet (``HDPStep.plan_wait_s``). ``rank0_broadcast`` plans in the mai
 because its broadcast is a collective that must not interleave with the training's own.
 
 Sources: anything iterable that yields :class:`GlobalBatch` objects or plain lists of token
-sequences (sequence id = index). Token access goes through ``GlobalBatch.tokens_by_seq``, a
-mapping, so a source backed by a Megatron indexed dataset can hand in a lazy mapping that
-reads only the sequences this rank's pieces touch.
+sequences (sequence id = index), or a function ``start_step -> iterable`` that yields the
+batches from global step ``start_step`` on. Token access goes through
+``GlobalBatch.tokens_by_seq``, a mapping, so a source backed by a Megatron indexed dataset can
+hand in a lazy mapping that reads only the sequences this rank's pieces touch.
+
+Resuming (checkpoints): steps carry their *global* index (``HDPStep.index``), and
+:meth:`HDPDataIterator.state_dict` is ``{"next_step": k}``, the number of steps handed to the
+training loop so far. Batches read or planned ahead in the background, or a batch whose
+planning failed, are not counted: they were never trained, so a resumed iterator reads them
+again. :meth:`~HDPDataIterator.load_state_dict` (or ``start_step=k``) positions the source at
+step k: a function source is called with k (cheap when it can seek, e.g. by walking document
+lengths as :func:`~megatron_bytescale.integration.megatron_lm_data.budget_batches` does); an
+iterable is read from its start and its first k batches are dropped. Megatron-LM's
+``--load`` resumes through the same ``start_step`` (the steps that the checkpoint's
+``consumed_train_samples`` add up to), so both paths agree on the step index.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from collections import deque
@@ -70,6 +84,12 @@ logger = logging.getLogger(__name__)
 PlanMode = Literal["every_rank", "rank0_broadcast"]
 Planner = Callable[[list[int]], StepPlan]
 TokenSequence = Union[Sequence[int], torch.Tensor, Any]  # list, tensor or numpy array
+BatchSource = Union[
+    Iterable[Union["GlobalBatch", Sequence[TokenSequence]]],
+    Callable[[int], Iterable[Union["GlobalBatch", Sequence[TokenSequence]]]],
+]
+"""Global batches: an iterable from step 0, or a function ``start_step -> iterable``."""
+STATE_VERSION = 1
 
 
 DEFAULT_PLAN_TIMEOUT_S = 600.0
@@ -154,8 +174,10 @@ class HDPDataIterator:
     """Plans each global batch of ``source`` and yields this rank's :class:`HDPStep`.
 
     Args:
-        source: yields :class:`GlobalBatch` objects or lists of token sequences; every rank
-            must see the same global batches (the same deterministic source on every rank).
+        source: yields :class:`GlobalBatch` objects or lists of token sequences from step 0,
+            or is a function ``start_step -> iterable`` of them from step ``start_step`` on;
+            every rank must see the same global batches (the same deterministic source on
+            every rank).
         planner: ``lengths -> StepPlan`` (e.g. a configured ``planner.schedulers.make_plan``).
         hdp: the runtime's ``HDPGroup`` (Megatron's data-parallel group under HDP).
         plan_mode: ``"every_rank"`` or ``"rank0_broadcast"`` (see the module docstring).
@@ -169,6 +191,8 @@ class HDPDataIterator:
             which covers the TP ranks and pipeline stages of every model replica.
         plan_timeout_s: the longest the training thread waits for a background plan (reading
             the global batch included) before raising ``TimeoutError``; None waits forever.
+        start_step: global index of the first step (resuming after ``start_step`` trained
+            steps; see the module docstring). Same as ``load_state_dict({"next_step": k})``.
     """
 
     def __init__(
@@ -183,6 +207,7 @@ class HDPDataIterator:
         prefetch: int = 1,
         plan_group: Optional[dist.ProcessGroup] = None,
         plan_timeout_s: Optional[float] = DEFAULT_PLAN_TIMEOUT_S,
+        start_step: int = 0,
     ) -> None:
         if plan_mode not in ("every_rank", "rank0_broadcast"):
             raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
@@ -192,13 +217,15 @@ class HDPDataIterator:
             isinstance(plan_timeout_s, (int, float)) and plan_timeout_s > 0
         ):
             raise ValueError(f"plan_timeout_s ({plan_timeout_s!r}) must be > 0 seconds or None")
-        self._source = iter(source)
+        self._origin = source
+        self._source: Iterator[Any] = iter(())
         self._planner = planner
         self.hdp = hdp
         self.plan_mode = plan_mode
         self.check_plan_hash = check_plan_hash
         self.device = device if device is not None else hdp.device
         self._step = 0
+        self._started = False  # the source has been read from (a one-shot one cannot rewind)
         self.plan_group = plan_group
         background = plan_mode == "every_rank" or _group_size(self._agreement_group()) == 1
         self.prefetch = prefetch if background else 0
@@ -207,6 +234,61 @@ class HDPDataIterator:
         self._pending: deque[Future] = deque()
         self._retry: GlobalBatch | None = None  # a batch whose planning failed: planned next
         self._broken: BaseException | None = None  # the source failed or planning timed out
+        self._seek(_checked_step(start_step, "start_step"))
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint needs to resume this iterator: ``{"next_step": k, "version": 1}``.
+
+        ``k`` counts the steps handed out by ``next()`` (save it after the step's optimizer
+        step, with the model). Prefetched batches and a batch whose planning failed are not
+        in it: a resumed iterator reads them again, so none is lost or trained twice.
+        """
+        return {"version": STATE_VERSION, "next_step": self._step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at step ``state["next_step"]`` (from :meth:`state_dict`).
+
+        Call it before the first ``next()`` (any source), or at any time when the source is a
+        function or a re-iterable collection (a list): batches already read or planned ahead
+        are dropped and the source is positioned anew.
+
+        Raises:
+            ValueError: ``state`` is not a state of this iterator, or the source is a one-shot
+                iterator that has already been read.
+        """
+        if not isinstance(state, Mapping) or "next_step" not in state:
+            raise ValueError(
+                f"load_state_dict: expected the dict of HDPDataIterator.state_dict() "
+                f"({{'version': {STATE_VERSION}, 'next_step': k}}), got {state!r}"
+            )
+        if state.get("version", STATE_VERSION) != STATE_VERSION:
+            raise ValueError(
+                f"load_state_dict: state version {state.get('version')!r}; this iterator "
+                f"reads version {STATE_VERSION}"
+            )
+        step = _checked_step(state["next_step"], "next_step")
+        if self._started and _is_one_shot(self._origin):
+            raise ValueError(
+                "load_state_dict: the source is a one-shot iterator (a generator?) that has "
+                "already been read, so it cannot go back to step "
+                f"{step}; build a new HDPDataIterator on a fresh source and call "
+                "load_state_dict before its first next(), or pass a function "
+                "start_step -> iterable as the source"
+            )
+        self.close()
+        self._retry, self._broken = None, None
+        self._seek(step)
+
+    def _seek(self, step: int) -> None:
+        """Position the source so that its next batch is global step ``step``."""
+        origin = self._origin
+        if callable(origin) and not hasattr(origin, "__iter__"):
+            self._source = _LazyIterator(lambda: origin(step))
+        elif step:
+            self._source = itertools.islice(iter(origin), step, None)  # read and dropped lazily
+        else:
+            self._source = iter(origin)
+        self._step = step
 
     def __iter__(self) -> "HDPDataIterator":
         return self
@@ -276,8 +358,9 @@ class HDPDataIterator:
                 if self.prefetch:
                     return self._wait(self._background().submit(lambda: self._plan_batch(batch)))
                 return self._plan_batch(batch)
+            self._started = True
             if not self.prefetch:
-                return self._read_and_plan()
+                return self._read_and_plan(self._source)
             self._fill_pipeline()
             planned = self._wait(self._pending.popleft())
             if planned is not None:
@@ -316,13 +399,13 @@ class HDPDataIterator:
         worker = self._background()
         while len(self._pending) < self.prefetch:
             # one worker: batches are read and planned strictly in order
-            self._pending.append(worker.submit(self._read_and_plan))
+            self._pending.append(worker.submit(functools.partial(self._read_and_plan, self._source)))
 
-    def _read_and_plan(self) -> "_Planned | None":
-        """Next global batch and its plan (None when the source is exhausted)."""
+    def _read_and_plan(self, source: Iterator[Any]) -> "_Planned | None":
+        """Next global batch of ``source`` and its plan (None when the source is exhausted)."""
         start = time.perf_counter()
         try:
-            batch = next(self._source)
+            batch = next(source)
         except StopIteration:
             return None
         if not isinstance(batch, GlobalBatch):
@@ -394,6 +477,39 @@ class HDPDataIterator:
 
 _Planned = tuple[GlobalBatch, Optional[StepPlan], float, Optional[BaseException]]
 """A batch, its plan (None if planning failed), seconds spent, and the planning error."""
+
+
+class _LazyIterator:
+    """Iterates ``make()``, called on the first ``next()`` (on the thread that reads)."""
+
+    def __init__(self, make: Callable[[], Iterable[Any]]) -> None:
+        self._make: Optional[Callable[[], Iterable[Any]]] = make
+        self._it: Optional[Iterator[Any]] = None
+
+    def __iter__(self) -> "_LazyIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            assert self._make is not None
+            self._it, self._make = iter(self._make()), None
+        return next(self._it)
+
+
+def _checked_step(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= 0 (a number of trained steps)")
+    return value
+
+
+def _is_one_shot(source: Any) -> bool:
+    """An iterator that cannot be read again from its start (``iter(x) is x``)."""
+    if callable(source) and not hasattr(source, "__iter__"):
+        return False
+    try:
+        return iter(source) is source
+    except TypeError:
+        return True
 
 
 class PlannedTokens(Mapping):
