@@ -37,6 +37,12 @@ the current step trains, from length metadata only; the step then only waits for
 is not ready yet (``HDPStep.plan_wait_s``). ``rank0_broadcast`` plans in the main thread,
 because its broadcast is a collective that must not interleave with the training's own.
 
+Loaders (``dataloader``): ``"local"`` reads and plans on each rank as above; ``"ray"`` is
+ByteScale's remote loader (:mod:`.ray_loader`): reader actors run the source, one planner actor
+plans every step ahead for all ranks, and each rank fetches the plan and only its own
+micro-batches' tokens (``HDPStep.global_batch.tokens_by_seq`` then holds only those). Same
+plans and tokens; the retry, resume and timeout rules above hold for both.
+
 Sources: anything iterable that yields :class:`GlobalBatch` objects or plain lists of token
 sequences (sequence id = index), or a function ``start_step -> iterable`` that yields the
 batches from global step ``start_step`` on. Token access goes through
@@ -58,7 +64,6 @@ iterable is read from its start and its first k batches are dropped. Megatron-LM
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 from collections import deque
@@ -66,7 +71,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,21 +79,20 @@ import torch.distributed as dist
 from megatron_bytescale.planner.order import check_deadlock_free
 from megatron_bytescale.planner.plan import MicroBatch, StepPlan
 
+from .batch import GlobalBatch, TokenSequence
+from .batch_sources import BatchSource, checked_step, is_one_shot, open_source, ray_source
 from .plan_worker import PlanWorker
 
 if TYPE_CHECKING:
     from megatron_bytescale.runtime import HDPGroup, MicroBatchTensors
 
+    from .ray_loader import RayLoader, RayLoaderOptions
+
 logger = logging.getLogger(__name__)
 
 PlanMode = Literal["every_rank", "rank0_broadcast"]
 Planner = Callable[[list[int]], StepPlan]
-TokenSequence = Union[Sequence[int], torch.Tensor, Any]  # list, tensor or numpy array
-BatchSource = Union[
-    Iterable[Union["GlobalBatch", Sequence[TokenSequence]]],
-    Callable[[int], Iterable[Union["GlobalBatch", Sequence[TokenSequence]]]],
-]
-"""Global batches: an iterable from step 0, or a function ``start_step -> iterable``."""
+Loader = Literal["local", "ray"]
 STATE_VERSION = 1
 
 
@@ -103,25 +107,6 @@ class PlanMismatchError(RuntimeError):
 
 class PlanningError(RuntimeError):
     """Another HDP rank (rank 0 under ``rank0_broadcast``) could not plan this step."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GlobalBatch:
-    """One global batch: sequence ``i`` has ``lengths[i]`` tokens, ``tokens_by_seq[i]``."""
-
-    lengths: tuple[int, ...]
-    tokens_by_seq: Mapping[int, TokenSequence] | Sequence[TokenSequence]
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_sequences(cls, sequences: Sequence[TokenSequence], **meta: Any) -> "GlobalBatch":
-        """A global batch of in-memory token sequences."""
-        seqs = list(sequences)
-        return cls(lengths=tuple(len(s) for s in seqs), tokens_by_seq=seqs, meta=meta)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.lengths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,11 +178,14 @@ class HDPDataIterator:
             the global batch included) before raising ``TimeoutError``; None waits forever.
         start_step: global index of the first step (resuming after ``start_step`` trained
             steps; see the module docstring). Same as ``load_state_dict({"next_step": k})``.
+        dataloader: ``"local"`` or ``"ray"`` (the remote loader; the source must then be a
+            function ``start_step -> iterable`` that pickles, or a list).
+        ray_options: settings of the Ray loader (:class:`~.ray_loader.RayLoaderOptions`).
     """
 
     def __init__(
         self,
-        source: Iterable[GlobalBatch | Sequence[TokenSequence]],
+        source: BatchSource,
         *,
         planner: Planner,
         hdp: "HDPGroup",
@@ -208,7 +196,18 @@ class HDPDataIterator:
         plan_group: Optional[dist.ProcessGroup] = None,
         plan_timeout_s: Optional[float] = DEFAULT_PLAN_TIMEOUT_S,
         start_step: int = 0,
+        dataloader: Loader = "local",
+        ray_options: Optional["RayLoaderOptions"] = None,
     ) -> None:
+        if dataloader not in ("local", "ray"):
+            raise ValueError(f"dataloader ({dataloader!r}) must be 'local' or 'ray'")
+        if dataloader == "ray":
+            source = ray_source(source)
+            if plan_mode != "every_rank":
+                raise ValueError(
+                    f"plan_mode {plan_mode!r} does not apply to the Ray loader, whose one "
+                    "planner actor plans for every rank; use plan_mode 'every_rank'"
+                )
         if plan_mode not in ("every_rank", "rank0_broadcast"):
             raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -232,9 +231,13 @@ class HDPDataIterator:
         self.plan_timeout_s = plan_timeout_s
         self._worker: PlanWorker | None = None
         self._pending: deque[Future] = deque()
-        self._retry: GlobalBatch | None = None  # a batch whose planning failed: planned next
+        self._retry: Any = None  # what failed to become a step: planned again next
+        self.dataloader = dataloader
+        self.ray_options = ray_options
+        self._remote: Optional["RayLoader"] = None
+        self._fetch_next = 0  # the Ray loader's next step to ask for
         self._broken: BaseException | None = None  # the source failed or planning timed out
-        self._seek(_checked_step(start_step, "start_step"))
+        self._seek(checked_step(start_step, "start_step"))
 
     def state_dict(self) -> dict[str, int]:
         """What a checkpoint needs to resume this iterator: ``{"next_step": k, "version": 1}``.
@@ -266,8 +269,8 @@ class HDPDataIterator:
                 f"load_state_dict: state version {state.get('version')!r}; this iterator "
                 f"reads version {STATE_VERSION}"
             )
-        step = _checked_step(state["next_step"], "next_step")
-        if self._started and _is_one_shot(self._origin):
+        step = checked_step(state["next_step"], "next_step")
+        if self._started and is_one_shot(self._origin):
             raise ValueError(
                 "load_state_dict: the source is a one-shot iterator (a generator?) that has "
                 "already been read, so it cannot go back to step "
@@ -281,13 +284,9 @@ class HDPDataIterator:
 
     def _seek(self, step: int) -> None:
         """Position the source so that its next batch is global step ``step``."""
-        origin = self._origin
-        if callable(origin) and not hasattr(origin, "__iter__"):
-            self._source = _LazyIterator(lambda: origin(step))
-        elif step:
-            self._source = itertools.islice(iter(origin), step, None)  # read and dropped lazily
-        else:
-            self._source = iter(origin)
+        self._fetch_next = step
+        if self.dataloader == "local":  # (the Ray loader's readers seek the source themselves)
+            self._source = open_source(self._origin, step)
         self._step = step
 
     def __iter__(self) -> "HDPDataIterator":
@@ -302,23 +301,22 @@ class HDPDataIterator:
         if planned is None:
             self.close()
             raise StopIteration
-        batch, plan, plan_s, error = planned
-        if error is not None:
-            self._retry = batch  # the next call plans this batch again: nothing is skipped
-            self._report_failure(error)
-            raise error
+        batch, plan, plan_s, plan_hash = planned.batch, planned.plan, planned.plan_s, planned.hash
+        if planned.error is not None:
+            self._retry = planned.retry  # the next call plans this batch again: nothing is skipped
+            self._report_failure(planned.error)
+            raise planned.error
         if plan.hdp_size != self.hdp.size:
-            self._retry = batch
+            self._retry = planned.retry
             raise ValueError(
                 f"the planner made a plan for {plan.hdp_size} HDP ranks, the HDP group has "
                 f"{self.hdp.size}"
             )
-        plan_hash = plan.content_hash()
         if self.check_plan_hash:
             try:
                 check_plan_hashes(plan_hash, self._agreement_group(), step=self._step)
             except (PlanMismatchError, PlanningError):
-                self._retry = batch  # every rank keeps the batch, so they stay in step
+                self._retry = planned.retry  # every rank keeps the batch, so they stay in step
                 raise
         self._retry = None
         step = HDPStep(
@@ -343,6 +341,9 @@ class HDPDataIterator:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
 
     def __del__(self) -> None:  # best effort: do not leave a thread behind
         try:
@@ -353,14 +354,14 @@ class HDPDataIterator:
     def _next_planned(self) -> "_Planned | None":
         """The next batch and its plan (or its planning error); None at the end of the data."""
         try:
+            if self.dataloader == "ray" and self._remote is None:
+                self._remote = self._connect_ray()
             if self._retry is not None:
-                batch = self._retry
-                if self.prefetch:
-                    return self._wait(self._background().submit(lambda: self._plan_batch(batch)))
-                return self._plan_batch(batch)
+                job = self._retry_job(self._retry)
+                return self._wait(self._background().submit(job)) if self.prefetch else job()
             self._started = True
             if not self.prefetch:
-                return self._read_and_plan(self._source)
+                return self._next_job()()
             self._fill_pipeline()
             planned = self._wait(self._pending.popleft())
             if planned is not None:
@@ -399,7 +400,58 @@ class HDPDataIterator:
         worker = self._background()
         while len(self._pending) < self.prefetch:
             # one worker: batches are read and planned strictly in order
-            self._pending.append(worker.submit(functools.partial(self._read_and_plan, self._source)))
+            self._pending.append(worker.submit(self._next_job()))
+
+    def _next_job(self) -> Callable[[], "_Planned | None"]:
+        """Reads and plans the next batch (local), or fetches the next step (Ray)."""
+        if self.dataloader == "ray":
+            step, self._fetch_next = self._fetch_next, self._fetch_next + 1
+            return functools.partial(self._fetch_remote, step, 0, self._step)
+        return functools.partial(self._read_and_plan, self._source)  # this source, even if reseeked
+
+    def _retry_job(self, retry: Any) -> Callable[[], "_Planned"]:
+        if isinstance(retry, _RemoteRetry):
+            return functools.partial(self._fetch_remote, retry.step, retry.attempt + 1, self._step)
+        return functools.partial(self._plan_batch, retry)
+
+    def _connect_ray(self) -> "RayLoader":
+        """Create (first process of the plan group) or join the Ray loader's actors."""
+        from .ray_loader import RayLoader, RayLoaderOptions
+
+        options = self.ray_options or RayLoaderOptions()
+        group = self._agreement_group()
+        consumers = _group_size(group)
+
+        def broadcast(payload: Any) -> Any:
+            box = [payload]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            return box[0]
+
+        return RayLoader(
+            self._origin, self._planner, options=options, start_step=self._fetch_next,
+            consumer=0 if consumers == 1 else dist.get_rank(group), consumers=consumers,
+            max_held=options.lookahead + self.prefetch + 2,
+            broadcast=broadcast if consumers > 1 else None,
+        )  # fmt: skip
+
+    def _fetch_remote(self, step: int, attempt: int, done_before: int) -> "_Planned | None":
+        """Step ``step`` from the Ray loader: its plan and this rank's tokens."""
+        assert self._remote is not None
+        result = self._remote.fetch(step, attempt=attempt, done_before=done_before,
+                                    hdp_rank=self.hdp.rank, timeout_s=self.plan_timeout_s)
+        if result[0] == "end":
+            return None
+        retry = _RemoteRetry(step=step, attempt=attempt)
+        if result[0] == "error":
+            error = PlanningError(f"step {step}: the Ray loader's planner could not plan the "
+                                  f"global batch: {result[1]}")
+            return _Planned(batch=None, plan=None, plan_s=0.0, error=error, retry=retry)
+        # the planner actor hashed the plan once for every rank; the ranks' hash check then
+        # proves they train the same step (and attempt) of the one plan
+        _, plan, plan_hash, lengths, seconds, tokens = result
+        batch = GlobalBatch(lengths=lengths, tokens_by_seq=tokens,
+                            meta={"batch": step, "loader": "ray"})
+        return _Planned(batch=batch, plan=plan, plan_s=seconds, hash=plan_hash, retry=retry)
 
     def _read_and_plan(self, source: Iterator[Any]) -> "_Planned | None":
         """Next global batch of ``source`` and its plan (None when the source is exhausted)."""
@@ -418,8 +470,11 @@ class HDPDataIterator:
         try:
             plan = self._plan(list(batch.lengths))
         except Exception as exc:  # noqa: BLE001 - handed to the training thread, raised there
-            return batch, None, time.perf_counter() - start, exc
-        return batch, plan, time.perf_counter() - start, None
+            return _Planned(batch=batch, plan=None, plan_s=time.perf_counter() - start,
+                            error=exc, retry=batch)
+        # the hash costs ~0.2 s at 16,384 ranks: here it is off the critical path too
+        return _Planned(batch=batch, plan=plan, plan_s=time.perf_counter() - start,
+                        hash=plan.content_hash(), retry=batch)
 
     def _checked_plan(self, lengths: list[int]) -> StepPlan:
         """The planner's plan, validated and proven deadlock-free before any rank trains on it.
@@ -475,41 +530,25 @@ class HDPDataIterator:
         return build
 
 
-_Planned = tuple[GlobalBatch, Optional[StepPlan], float, Optional[BaseException]]
-"""A batch, its plan (None if planning failed), seconds spent, and the planning error."""
+@dataclass(frozen=True, kw_only=True)
+class _Planned:
+    """A batch, its plan (None if planning failed), seconds spent, the planning error, the
+    plan's hash, and what to plan again if the step is not handed out."""
+
+    batch: Optional[GlobalBatch]
+    plan: Optional[StepPlan]
+    plan_s: float
+    error: Optional[BaseException] = None
+    hash: str = ""
+    retry: Any = None
 
 
-class _LazyIterator:
-    """Iterates ``make()``, called on the first ``next()`` (on the thread that reads)."""
+@dataclass(frozen=True, kw_only=True)
+class _RemoteRetry:
+    """A Ray-loader step that was not handed out: ask for it again, as the next attempt."""
 
-    def __init__(self, make: Callable[[], Iterable[Any]]) -> None:
-        self._make: Optional[Callable[[], Iterable[Any]]] = make
-        self._it: Optional[Iterator[Any]] = None
-
-    def __iter__(self) -> "_LazyIterator":
-        return self
-
-    def __next__(self) -> Any:
-        if self._it is None:
-            assert self._make is not None
-            self._it, self._make = iter(self._make()), None
-        return next(self._it)
-
-
-def _checked_step(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= 0 (a number of trained steps)")
-    return value
-
-
-def _is_one_shot(source: Any) -> bool:
-    """An iterator that cannot be read again from its start (``iter(x) is x``)."""
-    if callable(source) and not hasattr(source, "__iter__"):
-        return False
-    try:
-        return iter(source) is source
-    except TypeError:
-        return True
+    step: int
+    attempt: int
 
 
 class PlannedTokens(Mapping):

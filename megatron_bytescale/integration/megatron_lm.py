@@ -241,6 +241,8 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
                     f"{layout.hdp_size} HDP ranks; raise the capacity, use more ranks or shorten "
                     "the context"
                 )
+            if config.dataloader == "ray":
+                reasons += _ray_refusals()
             max_positions = getattr(args, "max_position_embeddings", None)
             if max_positions is not None and context > max_positions:
                 reasons.append(
@@ -251,6 +253,17 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
     if reasons or config is None:
         raise RefusedArguments(reasons)
     return config
+
+
+def _ray_refusals() -> list[str]:
+    """``--bytescale-dataloader ray`` without Ray: say so before training starts."""
+    from megatron_bytescale.data.ray_loader import RayUnavailableError, import_ray
+
+    try:
+        import_ray()
+    except RayUnavailableError as exc:
+        return [str(exc)]
+    return []
 
 
 def _is_rank0(args: Any) -> bool:

@@ -344,12 +344,15 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
             batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
             check_plan_hash=config.check_plan_hash, device=device,
             prefetch=config.plan_prefetch, start_step=skips[split_index],
+            dataloader=config.dataloader,
+            ray_options=config.ray_loader_options() if config.dataloader == "ray" else None,
         ))  # fmt: skip
         if split_index == 0 and manager.rank == 0:
             logger.info(
                 "ByteScale HDP: %d HDP ranks, capacity %d, context %d, scheduler %s, %d tokens "
-                "per global batch from %s", manager.size, config.capacity,
+                "per global batch from %s, %s loader", manager.size, config.capacity,
                 config.context_length, config.scheduler, tokens_per_batch, source.name,
+                config.dataloader,
             )  # fmt: skip
     return tuple(iterators)  # type: ignore[return-value]
 
