@@ -158,8 +158,13 @@ class StepPlanner:
                               "it (a consumer asked for a step it had reported trained)")
         self._wanted = max(self._wanted, step)
         self._poke()
-        await self._event(step).wait()
-        return self._results[step]
+        while True:
+            await self._event(step).wait()
+            result = self._results.get(step)
+            if result is not None:
+                return result
+            if step not in self._ready:  # dropped meanwhile: only a consumer behind all others
+                return ("broken", f"step {step} is no longer held")
 
     def _drop_finished(self) -> None:
         """Drop the results of the steps every consumer is past (frees room to plan ahead)."""
@@ -230,6 +235,13 @@ class StepPlanner:
             self._event(step).set()
 
     async def _plan_step(self, loop: asyncio.AbstractEventLoop, step: int, attempt: int) -> tuple:
+        try:
+            return await self._read_and_plan(loop, step, attempt)
+        except Exception as exc:  # noqa: BLE001 - never leave the consumers waiting for a step
+            return ("broken", f"step {step}: the planner actor failed: {describe(exc)}")
+
+    async def _read_and_plan(self, loop: asyncio.AbstractEventLoop, step: int,
+                             attempt: int) -> tuple:
         start = time.perf_counter()
         try:
             shards = await asyncio.gather(*(r.lengths.remote(step) for r in self._readers))
