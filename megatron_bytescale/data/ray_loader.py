@@ -25,8 +25,10 @@ on every training node).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -46,6 +48,10 @@ RAY_MISSING = (
 )
 
 
+_SHARED_ENV = ("RAY_AUTH_MODE",)
+"""Environment that ``ray.init`` sets in the process that starts a local instance."""
+
+
 class RayUnavailableError(ImportError):
     """``dataloader='ray'`` was asked for, and Ray cannot be imported."""
 
@@ -61,6 +67,18 @@ def import_ray() -> Any:
     except ImportError:
         raise RayUnavailableError(RAY_MISSING) from None
     return ray
+
+
+def check_ray_available() -> None:
+    """:class:`RayUnavailableError` if Ray is not installed, without importing it.
+
+    Importing Ray reads its environment once; a process that joins a Ray instance started by
+    another must first take that instance's settings (see :class:`RayLoader`)."""
+    module = sys.modules.get("ray", False)
+    found = module is not None if module is not False else (
+        importlib.util.find_spec("ray") is not None)
+    if not found:
+        raise RayUnavailableError(RAY_MISSING)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +188,7 @@ class RayLoader:
     def __init__(self, source: Callable[[int], Any], planner: Callable[[list[int]], Any], *,
                  options: RayLoaderOptions, start_step: int, consumer: int, consumers: int,
                  max_held: int, broadcast: Optional[Callable[[Any], Any]] = None) -> None:
-        self._ray = import_ray()
+        check_ray_available()
         self.options = options
         self.consumer, self.consumers = int(consumer), int(consumers)
         self._owner = self.consumer == 0
@@ -196,6 +214,7 @@ class RayLoader:
             ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
 
     def _create(self, source, planner, start_step: int, max_held: int) -> dict[str, Any]:
+        self._ray = import_ray()
         ray, opts = self._ray, self.options
         self._init_ray(opts.address or os.environ.get("RAY_ADDRESS") or None)
         prefix = f"bytescale-{uuid.uuid4().hex[:12]}"
@@ -216,9 +235,17 @@ class RayLoader:
         )  # fmt: skip
         self.names = [f"{prefix}-planner", *names]
         logger.info("Ray loader: planner actor and %d reader actors (%s)", len(names), prefix)
-        return {"address": ray.get_runtime_context().gcs_address, "names": self.names}
+        # a Ray instance started here turned on token authentication in this process's
+        # environment only; the other processes need the same mode to join it (the token
+        # itself is in ~/.ray on this node)
+        env = {k: os.environ[k] for k in _SHARED_ENV if k in os.environ}
+        return {"address": ray.get_runtime_context().gcs_address, "names": self.names,
+                "env": env}
 
     def _join(self, payload: Mapping[str, Any]) -> None:
+        for key, value in payload.get("env", {}).items():
+            os.environ.setdefault(key, value)  # before Ray is imported here: it reads them once
+        self._ray = import_ray()
         self._init_ray(payload["address"])
         self.names = list(payload["names"])
         get = self._ray.get_actor

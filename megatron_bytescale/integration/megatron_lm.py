@@ -257,10 +257,10 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
 
 def _ray_refusals() -> list[str]:
     """``--bytescale-dataloader ray`` without Ray: say so before training starts."""
-    from megatron_bytescale.data.ray_loader import RayUnavailableError, import_ray
+    from megatron_bytescale.data.ray_loader import RayUnavailableError, check_ray_available
 
     try:
-        import_ray()
+        check_ray_available()  # not imported: a joining rank must set Ray's environment first
     except RayUnavailableError as exc:
         return [str(exc)]
     return []
