@@ -118,6 +118,8 @@ class HDPStep:
     plan_hash: str
     hdp_rank: int
     global_batch: GlobalBatch
+    """The step's global batch. With the Ray loader its ``tokens_by_seq`` holds only the
+    tokens this rank's micro-batches read (a ``RankTokens``)."""
     global_loss_tokens: int
     _build: Callable[[int], "MicroBatchTensors"] = field(repr=False)
     plan_s: float = 0.0
