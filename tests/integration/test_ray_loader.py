@@ -40,6 +40,7 @@ SOURCE = functools.partial(synthetic_global_batches, dataset="github",
 PLANNER = functools.partial(make_plan, scheduler="balance", hdp_size=HDP, capacity=CAPACITY,
                             cost_model=cost_model(), offload=False, context_length=CONTEXT)
 OPTIONS = RayLoaderOptions(num_readers=2, lookahead=2, close_timeout_s=5.0)
+WAIT_S = 120  # every wait on Ray is bounded: a stuck actor fails its test, never hangs the suite
 
 
 class _Rank:
@@ -100,7 +101,7 @@ def test_the_iterator_gets_the_local_plans_and_tokens_and_shuts_down(ray_cluster
     import ray
 
     iterator = HDPDataIterator(SOURCE, planner=PLANNER, hdp=_Rank(1), dataloader="ray",
-                               ray_options=OPTIONS, prefetch=1)
+                               ray_options=OPTIONS, prefetch=1, plan_timeout_s=WAIT_S)
     before = set(threading.enumerate())
     steps = list(iterator)  # ends with StopIteration, which closes the loader
     assert [_rank_view(s) for s in steps] == _local(1)
@@ -147,14 +148,15 @@ def test_one_planner_serves_every_rank_each_its_own_tokens_within_its_bound(ray_
 
     loaders = [loader(c) for c in range(HDP)]
     planner = ray.get_actor(loaders[0].names[0], namespace=OPTIONS.namespace)
-    first = loaders[0].fetch(0, attempt=0, done_before=0, hdp_rank=0, timeout_s=60)
+    first = loaders[0].fetch(0, attempt=0, done_before=0, hdp_rank=0, timeout_s=WAIT_S)
     time.sleep(1.0)  # the planner plans ahead, but only `lookahead` steps
-    stats = ray.get(planner.stats.remote())
+    stats = ray.get(planner.stats.remote(), timeout=WAIT_S)
     assert stats["planned"] == 1 + OPTIONS.lookahead, stats
     fetched, total = first[5].num_tokens, 0
     for step in range(STEPS):
         results = [first] if step == 0 else []
-        results += [loaders[r].fetch(step, attempt=0, done_before=step, hdp_rank=r, timeout_s=60)
+        results += [loaders[r].fetch(step, attempt=0, done_before=step, hdp_rank=r,
+                                     timeout_s=WAIT_S)
                     for r in range(len(results), HDP)]
         for rank, (kind, plan, plan_hash, lengths, _, tokens) in enumerate(results):
             assert kind == "plan" and plan.content_hash() == plan_hash == _local(rank)[step][1]
@@ -167,10 +169,10 @@ def test_one_planner_serves_every_rank_each_its_own_tokens_within_its_bound(ray_
             fetched += tokens.num_tokens if step or rank else 0
         total += plan.total_tokens
     assert total < fetched < 1.2 * total
-    end = [loaders[r].fetch(STEPS, attempt=0, done_before=STEPS, hdp_rank=r, timeout_s=60)
+    end = [loaders[r].fetch(STEPS, attempt=0, done_before=STEPS, hdp_rank=r, timeout_s=WAIT_S)
            for r in range(HDP)]
     assert end == [("end",)] * HDP
-    stats = ray.get(planner.stats.remote())
+    stats = ray.get(planner.stats.remote(), timeout=WAIT_S)
     assert stats["planned"] == STEPS and stats["max_held_seen"] <= max_held
     for consumer in reversed(loaders):
         consumer.close()  # the first waits for the others' release, then stops the actors
@@ -179,12 +181,14 @@ def test_one_planner_serves_every_rank_each_its_own_tokens_within_its_bound(ray_
 
 def test_resume_with_the_ray_loader(ray_cluster, prefetch=1):
     first = HDPDataIterator(SOURCE, planner=PLANNER, hdp=_Rank(1), dataloader="ray",
-                            ray_options=OPTIONS, prefetch=prefetch)
+                            ray_options=OPTIONS, prefetch=prefetch,
+                            plan_timeout_s=WAIT_S)
     assert [_rank_view(next(first)) for _ in range(3)] == _local(1)[:3]
     state = first.state_dict()
     first.close()
     resumed = HDPDataIterator(SOURCE, planner=PLANNER, hdp=_Rank(1), dataloader="ray",
-                              ray_options=OPTIONS, prefetch=prefetch)
+                              ray_options=OPTIONS, prefetch=prefetch,
+                            plan_timeout_s=WAIT_S)
     resumed.load_state_dict(state)
     assert [_rank_view(s) for s in resumed] == _local(1)[3:]
 
@@ -205,7 +209,8 @@ class _FailsOnce:
 def test_a_failed_plan_is_raised_at_its_step_and_planned_again(ray_cluster):
     failing = next(SOURCE(4)).lengths
     iterator = HDPDataIterator(SOURCE, planner=_FailsOnce(failing), hdp=_Rank(0),
-                               dataloader="ray", ray_options=OPTIONS, prefetch=1)
+                               dataloader="ray", ray_options=OPTIONS, prefetch=1,
+                               plan_timeout_s=WAIT_S)
     got = [_rank_view(next(iterator)) for _ in range(4)]
     with pytest.raises(PlanningError, match="step 4: the Ray loader's planner could not plan "
                                             "the global batch: ValueError: transient"):
@@ -224,7 +229,7 @@ def _source_that_breaks(start_step: int):
 
 def test_a_failed_source_stops_the_job_with_its_error(ray_cluster):
     iterator = HDPDataIterator(_source_that_breaks, planner=PLANNER, hdp=_Rank(0),
-                               dataloader="ray", ray_options=OPTIONS)
+                               dataloader="ray", ray_options=OPTIONS, plan_timeout_s=WAIT_S)
     next(iterator), next(iterator)
     for _ in range(2):  # it stays failed
         with pytest.raises(RayLoaderError, match="step 2: reading the global batch failed: "
@@ -238,7 +243,7 @@ def test_a_dead_actor_is_named_not_waited_for(ray_cluster, role):
     import ray
 
     iterator = HDPDataIterator(SOURCE, planner=PLANNER, hdp=_Rank(0), dataloader="ray",
-                               ray_options=OPTIONS, prefetch=0, plan_timeout_s=60)
+                               ray_options=OPTIONS, prefetch=0, plan_timeout_s=WAIT_S)
     next(iterator)
     names = iterator._remote.names  # noqa: SLF001 - the test kills one actor
     victim = names[1] if role == "reader" else names[0]
@@ -283,7 +288,8 @@ def two_rank_body(rank: int, world_size: int, address: str, prefix: str) -> dict
     options = RayLoaderOptions(address=address, num_readers=2, lookahead=2, close_timeout_s=20)
     hdp = _Rank(rank + 1)  # HDP ranks 1 and 2 of the 4-rank plans
     iterator = HDPDataIterator(SOURCE, planner=PLANNER, hdp=hdp, dataloader="ray",
-                               ray_options=options, prefetch=1)  # hash check over the world
+                               ray_options=options, prefetch=1,  # hash check over the world
+                               plan_timeout_s=WAIT_S)
     views = [_rank_view(s) for s in iterator]
     local = [_rank_view(s) for s in HDPDataIterator(SOURCE, planner=PLANNER, hdp=hdp)]
     out = {"same": views == local, "steps": len(views), "megatron": _megatron_path(address, prefix)}
