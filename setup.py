@@ -39,6 +39,8 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6.80", "tensorboard", *MEGATRON_LM_EXTRAS,
                  *RAY_EXTRAS],
         "ray": RAY_EXTRAS,
+        # scripts/mutation_check.py (not part of the test suite)
+        "mutation": ["mutmut==3.8.1"],
     },
     entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},
 )
