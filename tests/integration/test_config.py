@@ -33,6 +33,10 @@ EXPECTED_FLAGS = {
     "--no-bytescale-two-level-ring",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
+    "--bytescale-dataloader",
+    "--bytescale-ray-address",
+    "--bytescale-ray-readers",
+    "--bytescale-ray-lookahead",
 }
 
 
@@ -126,3 +130,18 @@ def test_bad_choice_in_dataclass_names_the_flag():
 def test_argparse_rejects_unknown_choice():
     with pytest.raises(SystemExit):
         _parser().parse_args(["--bytescale-plan-mode", "sometimes"])
+
+
+def test_the_ray_loader_flags():
+    args = _parser().parse_args(["--bytescale-dataloader", "ray", "--bytescale-ray-address",
+                                 "auto", "--bytescale-ray-readers", "4",
+                                 "--bytescale-ray-lookahead", "3"])
+    options = ByteScaleConfig.from_args(args).ray_loader_options()
+    assert (options.address, options.num_readers, options.lookahead) == ("auto", 4, 3)
+    assert ByteScaleConfig.from_args(_parser().parse_args([])).dataloader == "local"
+    with pytest.raises(ValueError, match="--bytescale-ray-readers \\(0\\) must be >= 1"):
+        ByteScaleConfig(ray_readers=0)
+    with pytest.raises(ValueError, match="rank0_broadcast does not apply to --bytescale-dataloader ray"):
+        ByteScaleConfig(dataloader="ray", plan_mode="rank0_broadcast")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--bytescale-dataloader", "remote"])
