@@ -300,6 +300,16 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x_widen_for_balance__*", r"if n <= 1 or not units:  ->  if n (<= 1 and|< 1 or) not units:",
      "with one rank no unit is slower than the lower bound (the sum of all units), so the loop "
      "changes nothing"),
+    # integration/schedule.py
+    ("*schedule.x_check_model_config__*", r'"pipeline_model_parallel_size", 1\) or 1\)  ->  .*"pipeline_model_parallel_size", None\) or 1\)',
+     "a missing field reads None instead of 1, and `or 1` makes both 1"),
+    # integration/megatron_lm_data.py
+    ("*megatron_lm_data.x_build_hdp_data_iterators__*", r'"consumed_(train|valid)_samples", 0\) or 0\).*  ->  .*"consumed_\1_samples", None\) or 0\)',
+     "a missing counter reads None instead of 0, and `or 0` makes both 0"),
+    ("*megatron_lm_data.x_build_hdp_data_iterators__*", r"or 0\) // int\(args\.global_batch_size\), 0\)  ->  .*or 0\) / int\(",
+     "Megatron adds one --global-batch-size per evaluation iteration (training.py: "
+     "`consumed_valid_samples += eval_batch_size`, `eval_batch_size = args.global_batch_size`), so "
+     "the count divides exactly and `/` gives the same whole number of batches as `//`"),
     # integration/batch_schedule.py
     ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"while len\(self\._sizes\) < steps:  ->  .*<= steps:",
      "computes one step more than asked: every size depends only on the samples consumed before it"),

@@ -96,5 +96,7 @@ def test_a_config_without_pipeline_fields_is_pipeline_size_one():
     config = SimpleNamespace(calculate_per_token_loss=True, finalize_model_grads_func=lambda *a: None)
     # no pipeline_model_parallel_size attribute: one stage, accepted where Megatron runs one
     check_model_config(config, SimpleNamespace(pp_size=1))
+    config.pipeline_model_parallel_size = None  # unset: one stage as well
+    check_model_config(config, SimpleNamespace(pp_size=1))
     with pytest.raises(ValueError, match="pipeline_model_parallel_size 1, but Megatron runs 2"):
         check_model_config(config, SimpleNamespace(pp_size=2))

@@ -92,3 +92,21 @@ def test_the_test_split_always_starts_at_its_first_batch(args):
     test_split = megatron_lm.build_hdp_data_iterators(resumed_args)[2]
     assert next(test_split).global_batch.meta["batch"] == 0
     test_split.close()
+
+
+@pytest.mark.parametrize("counters", [None, 0])
+def test_a_run_without_consumed_counters_starts_at_the_first_batch(args, counters):
+    # an own loop's namespace may lack Megatron's counters (None: attribute missing) or hold 0;
+    # with a global batch of one sample, any other default would skip a batch
+    fresh = argparse.Namespace(**vars(args))
+    fresh.global_batch_size = 1
+    for name in ("consumed_train_samples", "consumed_valid_samples"):
+        if counters is None:
+            vars(fresh).pop(name, None)
+        else:
+            setattr(fresh, name, counters)
+    iterators = megatron_lm.build_hdp_data_iterators(fresh)
+    for split in (0, 1):
+        assert next(iterators[split]).global_batch.meta["batch"] == 0
+    for it in iterators:
+        it.close()
