@@ -14,6 +14,7 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ``make_step_planner``                 ByteScaleConfig + cost model -> ``lengths -> StepPlan``
 ``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the PP = 1 schedule driver
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
+``activation_offloader``              the model's selective activation offloader (one per model)
 ====================================  =====================================================
 """
 
@@ -45,6 +46,8 @@ _EXPORTS = {
     "token_level_loss": "schedule",
     "StepRecord": "schedule",
     "calibrate_cost_model": "calibration",
+    "activation_offloader": "offload",
+    "decoder_layers": "offload",
 }
 
 __all__ = sorted(_EXPORTS)

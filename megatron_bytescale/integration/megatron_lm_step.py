@@ -108,10 +108,11 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     config = get_model_config(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    offloader = None if forward_only else _offloader(model)
     _, tokens, store = run_micro_batches(step, model=model, config=config,
                                          manager=get_hdp_manager(),
                                          forward_step_func=forward_step_func,
-                                         forward_only=forward_only)
+                                         forward_only=forward_only, offloader=offloader)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens if config.calculate_per_token_loss else None,
@@ -122,11 +123,24 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
                 f"the HDP ranks trained {int(tokens)} loss tokens, the global batch has "
                 f"{step.global_loss_tokens}: the plan lost or duplicated tokens"
             )
+    if offloader is not None:
+        stats = offloader.end_step()
+        logger.debug("activation offload: %s", stats.as_dict())
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if not store:
         store.append({"lm loss": torch.zeros(2, device=tokens.device)})
     return store
+
+
+def _offloader(model: Any) -> Any:
+    """The model's activation offloader when ``--bytescale-offload`` is on (one per model)."""
+    args = megatron_args()
+    if args is None or not getattr(args, "bytescale_offload", False):
+        return None
+    from .offload import activation_offloader
+
+    return activation_offloader(model)
 
 
 def _only(value: Any, what: str) -> Any:

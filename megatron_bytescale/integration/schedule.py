@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from megatron_bytescale.runtime.offload import offload_micro_batch
+
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
-    from megatron_bytescale.runtime import CommCounters, MicroBatchTensors
+    from megatron_bytescale.runtime import ActivationOffloader, CommCounters, MicroBatchTensors, OffloadStats
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class MicroBatchRecord:
     p2p_bytes: int
     busy_s: float
     wall_s: float
+    offload_ratio: float = 0.0
+    """The plan's activation offload ratio for this micro-batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +121,9 @@ class StepRecord:
     reduced_at: float
     finished_at: float
     update_successful: bool
+    offload: Optional["OffloadStats"] = None
+    """Activation offload of the step (bytes offloaded / reloaded, peak resident saved bytes,
+    reload waits); None when the step ran without an offloader."""
 
     @property
     def tokens(self) -> int:
@@ -138,6 +145,7 @@ def run_hdp_step(
     manager: HDPGroupManager,
     forward_step_func: ForwardStepFunc = hdp_forward_step,
     counters: Optional["CommCounters"] = None,
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> StepRecord:
     """Train one planned step on this rank: micro-batches, gradient reduction, optimizer step.
 
@@ -151,6 +159,9 @@ def run_hdp_step(
             whose loss function returns ``(loss_sum, num_tokens, report)``.
         counters: the runtime's ``CommCounters`` to charge ring traffic to (a fresh one by
             default); the step is closed on it (``end_step``) before returning.
+        offloader: the model's ``ActivationOffloader`` (``integration.activation_offloader``):
+            every micro-batch's forward offloads its planned ``offload_ratio``; its step totals
+            land in ``StepRecord.offload``. Without one, planned ratios are not applied.
     """
     from megatron.core.utils import get_model_config
 
@@ -162,13 +173,14 @@ def run_hdp_step(
 
         counters = CommCounters()
 
-    _warn_about_offload(step)
+    if offloader is None:
+        _warn_about_offload(step)
     started_at = time.time()
     model.zero_grad_buffer()
     optimizer.zero_grad()
     records, local_tokens, forward_data_store = run_micro_batches(
         step, model=model, config=config, manager=manager,
-        forward_step_func=forward_step_func, counters=counters,
+        forward_step_func=forward_step_func, counters=counters, offloader=offloader,
     )  # fmt: skip
     busy_s = sum(r.busy_s for r in records)
     micro_batches_done_at = time.time()
@@ -191,6 +203,7 @@ def run_hdp_step(
     optimizer_wall_s = time.perf_counter() - opt0
 
     loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
+    offload_stats = offloader.end_step() if offloader is not None else None  # after the step: may sync
     return StepRecord(
         step=step.index,
         hdp_rank=step.hdp_rank,
@@ -206,6 +219,7 @@ def run_hdp_step(
         reduced_at=reduced_at,
         finished_at=time.time(),
         update_successful=bool(update_successful),
+        offload=offload_stats,
     )
 
 
@@ -218,6 +232,7 @@ def run_micro_batches(
     forward_step_func: ForwardStepFunc = hdp_forward_step,
     counters: Optional["CommCounters"] = None,
     forward_only: bool = False,
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
     """This rank's micro-batches of ``step`` in plan order, through megatron-core's step functions.
 
@@ -225,6 +240,9 @@ def run_micro_batches(
     bound to ``manager`` so the core attention finds its ring. Gradient sync is deferred with
     ``config.no_sync_func`` (when set; without overlapped reduction there is nothing to defer)
     to the last micro-batch; the reduction itself is the caller's (``finalize_model_grads``).
+
+    With an ``offloader``, each micro-batch's forward runs in its offload context with the
+    plan's ratio (:func:`~megatron_bytescale.runtime.offload_micro_batch`).
 
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
     Megatron's ``forward_data_store`` (the loss reports).
@@ -239,16 +257,17 @@ def run_micro_batches(
         traffic = counters.start_micro_batch(planned.order) if counters is not None else None
         busy0, wall0 = time.process_time(), time.perf_counter()
         with (no_sync() if deferred else contextlib.nullcontext()), manager.bind(tensors, counters):
-            output, num_tokens = megatron_forward_step(
-                forward_step_func,
-                iter([tensors]),
-                model,
-                num_microbatches=count,
-                forward_data_store=forward_data_store,
-                config=config,
-                is_first_microbatch=index == 0,
-                current_microbatch=index,
-            )
+            with offload_micro_batch(offloader, tensors):
+                output, num_tokens = megatron_forward_step(
+                    forward_step_func,
+                    iter([tensors]),
+                    model,
+                    num_microbatches=count,
+                    forward_data_store=forward_data_store,
+                    config=config,
+                    is_first_microbatch=index == 0,
+                    current_microbatch=index,
+                )
             if not forward_only:
                 megatron_backward_step(output, model, config)
         local_tokens += num_tokens.to(local_tokens.device)
@@ -261,6 +280,7 @@ def run_micro_batches(
                 p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
                 busy_s=time.process_time() - busy0,
                 wall_s=time.perf_counter() - wall0,
+                offload_ratio=planned.offload_ratio,
             )
         )
     return records, local_tokens, forward_data_store
@@ -280,7 +300,7 @@ _OFFLOAD_WARNED = False
 
 
 def _warn_about_offload(step: "HDPStep") -> None:
-    """Plans may ask for activation offload; the training path does not run it yet (say so once)."""
+    """A plan asks for activation offload but the step has no offloader (say so once)."""
     global _OFFLOAD_WARNED
     if _OFFLOAD_WARNED:
         return
@@ -288,9 +308,9 @@ def _warn_about_offload(step: "HDPStep") -> None:
     if offloaded:
         _OFFLOAD_WARNED = True
         logger.warning(
-            "step %d: micro-batches %s are planned with activation offload, but no offload "
-            "context runs yet; their activations stay resident (plan with offload=False to "
-            "respect the capacity)",
+            "step %d: micro-batches %s are planned with activation offload, but the step runs "
+            "without an offloader, so their activations stay resident; pass "
+            "offloader=integration.activation_offloader(model) (or plan with offload=False)",
             step.index,
             offloaded[:5],
         )

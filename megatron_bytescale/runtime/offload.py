@@ -47,11 +47,12 @@ The transfers, their streams and the host buffer pool are in :mod:`.offload_stre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
@@ -347,6 +348,18 @@ class MicroBatchOffload:
                     self.counters.prefetched_reloads += 1
                 else:
                     self.counters.on_demand_reloads += 1
+
+
+def offload_micro_batch(offloader: ActivationOffloader | None, micro_batch: Any) -> ContextManager[Any]:
+    """The context a schedule enters around the **forward** of one planned micro-batch.
+
+    ``micro_batch`` is a :class:`~.layout.MicroBatchTensors` (its plan ``offload_ratio`` and its
+    token count). Returns a no-op without an offloader or when autograd records nothing (an
+    evaluation forward). Backward may run later, outside the context (pipeline schedules).
+    """
+    if offloader is None or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return offloader.micro_batch(micro_batch.offload_ratio, num_tokens=int(micro_batch.tokens.numel()))
 
 
 def _token_dim(tensor: torch.Tensor, num_tokens: int | None) -> int | None:

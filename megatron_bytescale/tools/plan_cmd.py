@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scheduler whose plan --json/--plot use (default balance)")
     sched.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
                        help="Eq. 3 selective offload for naive/balance (default on)")
+    sched.add_argument("--host-memory-gb", type=float, default=None,
+                       help="host memory per HDP rank (GB) offloaded activations may fill (default: "
+                            "the cost model's, unlimited unless it sets one)")
     sched.add_argument("--overlong", choices=["error", "drop", "truncate"], default="error",
                        help="what to do with a sequence that cannot fit (default error)")
     sched.add_argument("--align", type=int, default=1, help="zigzag padding alignment per part (default 1)")
@@ -124,11 +127,15 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     from ..planner.cost_model import CostModel
     from ..planner.presets import model_spec, preset_cost_model
 
+    host = getattr(args, "host_memory_gb", None)
+    if host is not None and not (host > 0 and host != float("inf")):
+        raise ValueError(f"--host-memory-gb ({host}) must be a positive number of GB")
+    budget = {} if host is None else {"host_memory_bytes": host * 1e9}
     if args.cost_model:
-        cm = CostModel.load(args.cost_model)
+        cm = CostModel.load(args.cost_model).with_(**budget)
         return cm, args.pp_size or 1
     spec = model_spec(args.model)
-    cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size)
+    cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size).with_(**budget)
     return cm, args.pp_size or spec.pipeline_parallel_size
 
 
