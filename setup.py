@@ -2,6 +2,11 @@
 
 from setuptools import find_packages, setup
 
+MEGATRON_LM_EXTRAS = [
+    "six", "regex", "pydantic>=2", "pyyaml", "psutil",
+    'triton; platform_system == "Linux"',  # imported by megatron.training.initialize
+]
+
 setup(
     name="megatron_bytescale",
     version="0.1.0",
@@ -23,7 +28,10 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.80"],
+        # What Megatron-LM's `megatron.training` (pretrain_gpt.py) imports beyond the
+        # megatron-core wheel; the tests run the patched pretrain_gpt.py, so `test` has them.
+        "megatron-lm": MEGATRON_LM_EXTRAS,
+        "test": ["pytest>=7", "hypothesis>=6.80", *MEGATRON_LM_EXTRAS],
         "ray": ["ray>=2.9"],
     },
     entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},

@@ -11,11 +11,15 @@ Planning (D7) happens in one of two modes:
 
 * ``every_rank``: each rank plans the same lengths with the same deterministic planner; no
   communication is needed to agree.
-* ``rank0_broadcast``: HDP rank 0 plans and broadcasts the plan's JSON; useful when planning
-  is expensive or could differ between ranks (library versions, a timing-based cost model).
+* ``rank0_broadcast``: rank 0 of the plan group plans and broadcasts the plan's JSON; useful
+  when planning is expensive or could differ between ranks (library versions, a timing-based
+  cost model).
 
 In both modes every rank then all-gathers the plan's 32-byte content hash and stops with an
 error naming the disagreeing ranks if the hashes differ, before any rank trains on the plan.
+The *plan group* is every process by default: with tensor or pipeline parallelism there is
+one HDP group per (TP rank, stage), and all TP ranks and stages of a model replica must run the
+same row of the same plan (DESIGN.md D11), so agreement is checked across the whole world.
 A rank whose planner raised takes part in that exchange with an empty hash, so the other ranks
 stop too (naming it) instead of waiting for it in a later collective; under
 ``rank0_broadcast`` rank 0 broadcasts its planning error instead of a plan.
@@ -159,6 +163,9 @@ class HDPDataIterator:
             current GPU under NCCL and the CPU under gloo).
         prefetch: global batches read and planned ahead on a background thread
             (``every_rank`` mode only; 0 plans in the training thread).
+        plan_group: the process group whose ranks must all train on the same plan (the
+            broadcast and hash check run over it); default every process (the world group),
+            which covers the TP ranks and pipeline stages of every model replica.
         plan_timeout_s: the longest the training thread waits for a background plan (reading
             the global batch included) before raising ``TimeoutError``; None waits forever.
     """
@@ -173,6 +180,7 @@ class HDPDataIterator:
         check_plan_hash: bool = True,
         device: Optional[torch.device | str] = None,
         prefetch: int = 1,
+        plan_group: Optional[dist.ProcessGroup] = None,
         plan_timeout_s: Optional[float] = DEFAULT_PLAN_TIMEOUT_S,
     ) -> None:
         if plan_mode not in ("every_rank", "rank0_broadcast"):
@@ -190,7 +198,8 @@ class HDPDataIterator:
         self.check_plan_hash = check_plan_hash
         self.device = device if device is not None else hdp.device
         self._step = 0
-        background = plan_mode == "every_rank" or hdp.size == 1
+        self.plan_group = plan_group
+        background = plan_mode == "every_rank" or _group_size(self._agreement_group()) == 1
         self.prefetch = prefetch if background else 0
         self.plan_timeout_s = plan_timeout_s
         self._worker: _PlanWorker | None = None
@@ -224,7 +233,7 @@ class HDPDataIterator:
         plan_hash = plan.content_hash()
         if self.check_plan_hash:
             try:
-                check_plan_hashes(plan_hash, self.hdp, step=self._step)
+                check_plan_hashes(plan_hash, self._agreement_group(), step=self._step)
             except (PlanMismatchError, PlanningError):
                 self._retry = batch  # every rank keeps the batch, so they stay in step
                 raise
@@ -290,9 +299,10 @@ class HDPDataIterator:
 
     def _report_failure(self, error: BaseException) -> None:
         """Let the other ranks know this rank could not plan, instead of leaving them waiting."""
-        if self.check_plan_hash and self.plan_mode == "every_rank" and self.hdp.size > 1:
+        group = self._agreement_group()
+        if self.check_plan_hash and self.plan_mode == "every_rank" and _group_size(group) > 1:
             try:
-                check_plan_hashes(_FAILED_HASH, self.hdp, step=self._step)
+                check_plan_hashes(_FAILED_HASH, group, step=self._step)
             except (PlanMismatchError, PlanningError):
                 pass  # the other ranks planned: they raise naming this rank; this one raises its own
 
@@ -327,23 +337,32 @@ class HDPDataIterator:
             return batch, None, time.perf_counter() - start, exc
         return batch, plan, time.perf_counter() - start, None
 
+    def _agreement_group(self) -> Optional[dist.ProcessGroup]:
+        """The plan group (None: a single process, nothing to agree on)."""
+        if self.plan_group is not None:
+            return self.plan_group
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+
     def _plan(self, lengths: list[int]) -> StepPlan:
-        if self.plan_mode == "every_rank" or self.hdp.size == 1:
+        group = self._agreement_group()
+        if self.plan_mode == "every_rank" or _group_size(group) == 1:
             return self._planner(lengths).validate()
         payload: list[Any] = [None]
         error: Exception | None = None
-        if self.hdp.rank == 0:
+        if dist.get_rank(group) == 0:
             try:
                 payload[0] = {"plan": self._planner(lengths).validate().to_json()}
             except Exception as exc:  # noqa: BLE001 - broadcast, then raised on every rank
                 error = exc
                 payload[0] = {"error": f"{type(exc).__name__}: {exc}"}
-        dist.broadcast_object_list(payload, src=self.hdp.global_rank(0), group=self.hdp.group)
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
         if error is not None:
             raise error
         if "error" in payload[0]:
             raise PlanningError(
-                f"step {self._step}: HDP rank 0 could not plan the global batch: "
+                f"step {self._step}: rank 0 could not plan the global batch: "
                 f"{payload[0]['error']}"
             )
         return StepPlan.from_json(payload[0]["plan"])
@@ -430,18 +449,25 @@ class PlannedTokens(Mapping):
         return len(self._lengths)
 
 
-def check_plan_hashes(plan_hash: str, hdp: "HDPGroup", *, step: int = 0) -> None:
-    """All-gather the plan hash over the HDP group; raise on every rank if they differ.
+def check_plan_hashes(
+    plan_hash: str, group: "dist.ProcessGroup | HDPGroup | None", *, step: int = 0
+) -> None:
+    """All-gather the plan hash over ``group``; raise on every rank if they differ.
 
-    Every rank sees every hash, so every rank raises the same error and none is left waiting
-    in a later collective.
+    ``group`` is a process group (the world: every TP rank and stage too) or an ``HDPGroup``
+    (its ranks are then named as HDP ranks); None means one process. Every rank sees every
+    hash, so every rank raises the same error and none is left waiting in a later collective.
     """
-    if hdp.size == 1:
+    label = "ranks"
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group, label = group.group, "HDP ranks"  # an HDPGroup
+    size = _group_size(group)
+    if size == 1:
         return
-    device = collective_device(hdp.group)
+    device = collective_device(group)
     mine = torch.tensor(list(bytes.fromhex(plan_hash)), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(hdp.size)]
-    dist.all_gather(gathered, mine, group=hdp.group)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
     hashes = [bytes(t.cpu().tolist()).hex() for t in gathered]
     if len(set(hashes)) == 1:
         return
@@ -451,12 +477,12 @@ def check_plan_hashes(plan_hash: str, hdp: "HDPGroup", *, step: int = 0) -> None
     failed = by_hash.pop(_FAILED_HASH, None)
     if failed is not None:
         raise PlanningError(
-            f"step {step}: HDP ranks {failed} could not plan the global batch (their planner "
+            f"step {step}: {label} {failed} could not plan the global batch (their planner "
             "raised; see their error); this rank stops with them"
         )
-    groups = "; ".join(f"HDP ranks {ranks} have {h[:12]}" for h, ranks in by_hash.items())
+    groups = "; ".join(f"{label} {ranks} have {h[:12]}" for h, ranks in by_hash.items())
     raise PlanMismatchError(
-        f"step {step}: the HDP ranks planned different steps ({groups}). Planning must be "
+        f"step {step}: the ranks planned different steps ({groups}). Planning must be "
         "deterministic on every rank: check that all ranks read the same global batch and use "
         "the same cost model, or plan on rank 0 with --bytescale-plan-mode rank0_broadcast"
     )
@@ -467,3 +493,7 @@ def collective_device(group: Any) -> torch.device:
     from megatron_bytescale.runtime.hdp_group import collective_device as runtime_device
 
     return runtime_device(group)
+
+
+def _group_size(group: "dist.ProcessGroup | None") -> int:
+    return 1 if group is None else dist.get_world_size(group)

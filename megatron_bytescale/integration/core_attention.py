@@ -68,7 +68,10 @@ class ByteScaleCoreAttention(MegatronModule):
         if config.num_attention_heads % tp_size or config.num_query_groups % tp_size:
             raise ValueError(
                 f"attention heads ({config.num_attention_heads}) and query groups "
-                f"({config.num_query_groups}) must divide by the TP size ({tp_size})"
+                f"({config.num_query_groups}) must divide by the TP size ({tp_size}): every TP "
+                "rank runs the ring attention on its own heads; choose "
+                "--tensor-model-parallel-size to divide --num-attention-heads and "
+                "--num-query-groups"
             )
         self.heads_per_partition = config.num_attention_heads // tp_size
         self.head_dim = config.kv_channels
@@ -105,21 +108,30 @@ class ByteScaleCoreAttention(MegatronModule):
         from megatron_bytescale.runtime import ring_attention
 
         manager = get_hdp_manager()
-        micro_batch = manager.current
-        q_TNH = query[:, 0].contiguous()
-        k_TNH = key[:, 0].contiguous()
-        v_TNH = value[:, 0].contiguous()
+        layout = manager.current.layout
+        rows, tail = layout.num_tokens, query.size(0) - layout.num_tokens
+        if tail < 0:
+            raise ValueError(
+                f"the micro-batch has {query.size(0)} rows but its attention layout needs "
+                f"{rows}; feed the model the bound micro-batch's tokens"
+            )
+        # rows past the layout pad the micro-batch to a multiple of the TP size (sequence
+        # parallelism): they attend to nothing and get output 0 (and zero gradients)
+        q_TNH = query[:rows, 0].contiguous()
+        k_TNH = key[:rows, 0].contiguous()
+        v_TNH = value[:rows, 0].contiguous()
         out_TNH = ring_attention(
             q_TNH,
             k_TNH,
             v_TNH,
-            micro_batch.layout,
+            layout,
             manager.hdp,
             softmax_scale=self.softmax_scale,
             backend=manager.attention_backend,
             counters=manager.counters,
         )
-        return out_TNH.reshape(out_TNH.size(0), 1, -1)
+        out = out_TNH.reshape(rows, 1, -1)
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail)) if tail else out
 
 
 def _refuse_unsupported(

@@ -10,6 +10,10 @@ every micro-batch its own ring, of any size, on any ranks (DESIGN.md D1-D3):
   (ZeRO-1 over all HDP ranks), and ``finalize_model_grads`` all-reduces the token count over it.
 * No other process group is created. A ring is an ordered tuple of HDP ranks
   (``runtime.Ring``) and its traffic is batched P2P on that one group (D2).
+* TP and PP stay Megatron's (D11): there is one HDP group per (TP rank, pipeline stage), and
+  :class:`HDPRankMap` reads this process's place in that layout from Megatron's own process
+  groups (never from rank arithmetic) and checks that every TP rank and stage of a model
+  replica has the same HDP rank, so all of them run the same row of the plan.
 * :class:`HDPGroupManager` wraps the group in the runtime's ``HDPGroup`` and holds the
   micro-batch that is running *now*. The schedule driver binds each micro-batch
   (:meth:`HDPGroupManager.bind`) around its forward and backward; ``ByteScaleCoreAttention``
@@ -32,8 +36,11 @@ if TYPE_CHECKING:  # runtime types, imported lazily at run time
 
 logger = logging.getLogger(__name__)
 
-PP_SCHEDULE_ISSUE = (
-    "the HDP pipeline-parallel schedule driver is a later issue (PP > 1 is not served yet)"
+VIRTUAL_PIPELINE_REASON = (
+    "Megatron's interleaved schedule runs micro-batches in groups of at least PP per model "
+    "chunk (the count must be >= PP and fit microbatch_group_size_per_vp_stage), while every "
+    "HDP pipeline runs its own planned count, zero included; use the non-interleaved 1F1B "
+    "schedule, whose bubbles the balance scheduler's PP-Balance evens out"
 )
 
 
@@ -43,7 +50,10 @@ class HDPParallelLayout:
 
     ``context_parallel_size`` and ``hybrid_context_parallel`` are what the user asked Megatron
     for. HDP *replaces* both, so they must be 1 / False: the ranks a static run would spend on
-    CP are part of the HDP (data-parallel) group instead.
+    CP are part of the HDP (data-parallel) group instead. Tensor and (non-interleaved) pipeline
+    parallelism stay Megatron's (DESIGN.md D11): there is one HDP group per (TP rank, PP stage).
+    ``num_attention_heads`` / ``num_query_groups``, when given, must divide by the TP size
+    (each TP rank runs the ring attention on its own heads).
     """
 
     world_size: int
@@ -53,6 +63,8 @@ class HDPParallelLayout:
     context_parallel_size: int = 1
     hybrid_context_parallel: bool = False
     expert_model_parallel_size: int = 1
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -70,29 +82,43 @@ class HDPParallelLayout:
                 "per-sequence rings over the DP x CP ranks; use one of them (ByteScale's rings "
                 "are of any size on any ranks, Megatron's are aligned powers of two)"
             )
-        if self.pipeline_model_parallel_size != 1 or self.virtual_pipeline_model_parallel_size:
-            virtual = (
-                f" (virtual {self.virtual_pipeline_model_parallel_size})"
-                if self.virtual_pipeline_model_parallel_size
-                else ""
-            )
+        for name, value in (
+            ("--tensor-model-parallel-size", self.tensor_model_parallel_size),
+            ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} ({value}) must be >= 1")
+        if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError(
-                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}{virtual} is "
-                f"not supported with --bytescale-hdp yet: {PP_SCHEDULE_ISSUE}. Run with "
+                "interleaved pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+                "--num-virtual-stages-per-pipeline-rank, here "
+                f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
+                f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
+            )
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} cannot be "
+                "combined with --bytescale-hdp in this version; run with "
                 "--pipeline-model-parallel-size 1"
-            )
-        if self.tensor_model_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-model-parallel-size {self.tensor_model_parallel_size} is not supported "
-                "with --bytescale-hdp yet (HDP with TP > 1 has not been validated); run with "
-                "--tensor-model-parallel-size 1"
             )
         if self.expert_model_parallel_size != 1:
             raise ValueError(
-                f"--expert-model-parallel-size {self.expert_model_parallel_size} is not supported "
-                "with --bytescale-hdp yet (MoE expert parallelism has not been validated)"
+                f"--expert-model-parallel-size {self.expert_model_parallel_size} cannot be "
+                "combined with --bytescale-hdp: MoE expert parallelism has not been validated "
+                "with HDP; run with --expert-model-parallel-size 1"
             )
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        tp = self.tensor_model_parallel_size
+        for flag, count in (
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--num-query-groups", self.num_query_groups),
+        ):
+            if count is not None and count % tp:
+                raise ValueError(
+                    f"{flag} {count} is not divisible by --tensor-model-parallel-size {tp}: "
+                    "every TP rank runs the ring attention on its own share of the heads; "
+                    "choose a TP size that divides the attention heads and the query groups"
+                )
+        model_parallel = tp * self.pipeline_model_parallel_size
         if self.world_size % model_parallel:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
@@ -107,18 +133,143 @@ class HDPParallelLayout:
 
     @classmethod
     def from_megatron_args(cls, args: Any) -> "HDPParallelLayout":
-        """Check a Megatron ``args`` namespace (after ``parse_args``)."""
+        """Check a Megatron ``args`` namespace (after ``parse_args``, before or after
+        ``validate_args``: virtual stages are read from whichever flag says so)."""
+        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        if virtual is None:
+            virtual = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+        per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if virtual is None and per_virtual_stage:
+            pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+            layers = int(getattr(args, "num_layers", 0) or 0)
+            virtual = layers // pp // int(per_virtual_stage) if layers else 2
+        heads = getattr(args, "num_attention_heads", None)
+        groups = getattr(args, "num_query_groups", None)
         return cls(
             world_size=int(getattr(args, "world_size", 1) or 1),
             tensor_model_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
             pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
-            virtual_pipeline_model_parallel_size=getattr(
-                args, "virtual_pipeline_model_parallel_size", None
-            ),
+            virtual_pipeline_model_parallel_size=virtual,
             context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
             hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
             expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            num_attention_heads=int(heads) if heads else None,
+            num_query_groups=(
+                int(groups) if groups and getattr(args, "group_query_attention", False) else None
+            ),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HDPRankMap:
+    """Where this process sits in Megatron's layout, read from Megatron's process groups.
+
+    Megatron orders ranks as it likes (``order="tp-cp-ep-dp-pp"`` by default, but users and
+    later versions change it), so nothing here derives a rank from arithmetic: every list comes
+    from ``torch.distributed.get_process_group_ranks`` of the group Megatron built.
+
+    * ``hdp_global_ranks``: the HDP group (Megatron's DP x CP group with CP = 1) of this TP
+      rank and pipeline stage; HDP rank i is global rank ``hdp_global_ranks[i]``. Rings of this
+      process only ever contain these ranks (DESIGN.md D11).
+    * ``tp_global_ranks`` / ``pp_global_ranks``: this model replica's TP group and this
+      pipeline's stages, in TP-rank / stage order.
+
+    What HDP relies on, and :meth:`verify` checks across the world: all TP ranks of a replica
+    and all stages of a pipeline have the same HDP rank (so they run the same row of the plan),
+    and all members of an HDP group share the TP rank and the stage.
+    """
+
+    global_rank: int
+    hdp_rank: int
+    tp_rank: int
+    pp_rank: int
+    hdp_global_ranks: tuple[int, ...]
+    tp_global_ranks: tuple[int, ...] = ()
+    pp_global_ranks: tuple[int, ...] = ()
+
+    @property
+    def hdp_size(self) -> int:
+        return len(self.hdp_global_ranks)
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.tp_global_ranks))
+
+    @property
+    def pp_size(self) -> int:
+        return max(1, len(self.pp_global_ranks))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_megatron(cls) -> "HDPRankMap":
+        """The map of this process from Megatron's (initialised) ``parallel_state`` groups."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        def ranks(group: Any) -> tuple[int, ...]:
+            return tuple(int(r) for r in dist.get_process_group_ranks(group))
+
+        return cls(
+            global_rank=dist.get_rank(),
+            hdp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            hdp_global_ranks=ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+            tp_global_ranks=ranks(ps.get_tensor_model_parallel_group()),
+            pp_global_ranks=ranks(ps.get_pipeline_model_parallel_group()),
+        )
+
+    def verify(self) -> None:
+        """Check across the world that the groups fit together as HDP needs (one all-gather).
+
+        Raises RuntimeError on every rank (naming the ranks that disagree) when a TP group or a
+        pipeline mixes HDP ranks, or an HDP group mixes TP ranks or stages: then two ranks that
+        must run the same micro-batches would run different rows of the plan.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from megatron_bytescale.runtime.hdp_group import collective_device
+
+        world = dist.get_world_size()
+        mine = torch.tensor([self.hdp_rank, self.tp_rank, self.pp_rank], dtype=torch.int64,
+                            device=collective_device(dist.group.WORLD))
+        table = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(table, mine)
+        rows = [tuple(int(x) for x in t.cpu().tolist()) for t in table]
+        problems = self.inconsistencies(rows)
+        flag = torch.tensor([1 if problems else 0], device=mine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            detail = "; ".join(problems) if problems else "see the messages of other ranks"
+            raise RuntimeError(
+                "Megatron's process groups do not fit HDP (every TP rank and pipeline stage of a "
+                f"model replica must have the same data-parallel rank): {detail}"
+            )
+
+    def inconsistencies(self, rows: list[tuple[int, int, int]]) -> list[str]:
+        """What is wrong from this rank's view, given every global rank's (hdp, tp, pp) row."""
+        problems = []
+        for what, members, same in (
+            ("TP group", self.tp_global_ranks, (0, 2)),
+            ("pipeline", self.pp_global_ranks, (0, 1)),
+            ("HDP group", self.hdp_global_ranks, (1, 2)),
+        ):
+            keys = {tuple(rows[g][i] for i in same) for g in members}
+            if len(keys) > 1:
+                names = ["HDP rank", "TP rank", "stage"]
+                problems.append(
+                    f"global ranks {list(members)} ({what} of rank {self.global_rank}) have "
+                    + " / ".join(names[i] for i in same) + f" {sorted(keys)}"
+                )
+        return problems
 
 
 class HDPGroupManager:
@@ -127,17 +278,34 @@ class HDPGroupManager:
     Args:
         hdp: the runtime's ``HDPGroup`` over Megatron's data-parallel group.
         attention_backend: passed to ``runtime.ring_attention`` (None lets it choose).
+        rank_map: where this process sits in Megatron's TP / PP layout (None: TP = PP = 1,
+            the HDP group is all there is).
     """
 
-    def __init__(self, hdp: "HDPGroup", *, attention_backend: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        hdp: "HDPGroup",
+        *,
+        attention_backend: Optional[str] = None,
+        rank_map: Optional[HDPRankMap] = None,
+    ) -> None:
         self.hdp = hdp
         self.attention_backend = attention_backend
+        if rank_map is not None and rank_map.hdp_rank != hdp.rank:
+            raise ValueError(
+                f"the rank map says HDP rank {rank_map.hdp_rank}, the HDP group {hdp.rank}"
+            )
+        self.rank_map = rank_map
         self._current: "MicroBatchTensors | None" = None
         self._counters: "CommCounters | None" = None
 
     @classmethod
     def from_megatron(cls, *, attention_backend: Optional[str] = None) -> "HDPGroupManager":
-        """Wrap Megatron's (already initialised) data-parallel group as the HDP group."""
+        """Wrap Megatron's (already initialised) data-parallel group as the HDP group.
+
+        Reads the TP / PP layout from Megatron's groups (:class:`HDPRankMap`) and checks it
+        across the world (a collective: call it on every rank).
+        """
         from megatron.core import parallel_state
 
         from megatron_bytescale.runtime import HDPGroup
@@ -149,7 +317,19 @@ class HDPGroupManager:
                 "(use initialize_hdp_model_parallel)"
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return cls(HDPGroup(group), attention_backend=attention_backend)
+        rank_map = HDPRankMap.from_megatron()
+        rank_map.verify()
+        return cls(HDPGroup(group), attention_backend=attention_backend, rank_map=rank_map)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size of the model replica (1 without a rank map)."""
+        return self.rank_map.tp_size if self.rank_map is not None else 1
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages of the model replica (1 without a rank map)."""
+        return self.rank_map.pp_size if self.rank_map is not None else 1
 
     @property
     def rank(self) -> int:
@@ -258,11 +438,16 @@ def initialize_hdp_model_parallel(
             **megatron_kwargs,
         )
     manager = HDPGroupManager.from_megatron(attention_backend=attention_backend)
-    if manager.size != layout.hdp_size:
+    found = (manager.size, manager.tp_size, manager.pp_size)
+    wanted = (layout.hdp_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    if found != wanted:
         raise RuntimeError(
-            f"Megatron's data-parallel group has {manager.size} ranks, expected the HDP size "
-            f"{layout.hdp_size}; was Megatron initialised with another layout?"
+            f"Megatron is initialised with HDP x TP x PP = {' x '.join(map(str, found))}, "
+            f"expected {' x '.join(map(str, wanted))}; was Megatron initialised with another "
+            "layout?"
         )
     set_hdp_manager(manager)
-    logger.info("HDP initialised: %d HDP ranks, Megatron CP = 1", manager.size)
+    logger.info(
+        "HDP initialised: %d HDP ranks x TP %d x PP %d, Megatron CP = 1", *found
+    )
     return manager

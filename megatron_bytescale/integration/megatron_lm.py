@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from .config import ByteScaleConfig, add_bytescale_args, flag_name
 from .groups import HDPParallelLayout
-from .megatron_lm_data import build_hdp_data_iterators
+from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
 
 __all__ = [
@@ -57,7 +57,6 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
      "no gradient bucket in backward, which the overlapped reduction waits for"),
     ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
      "token count (per-token loss), never by the number of ranks"),
-    ("rampup_batch_size", "--rampup-batch-size", "an HDP global batch is a fixed token budget"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "HDP runs on Megatron DDP (+ ZeRO-1)"),
     ("use_legacy_models", "--use-legacy-models", "HDP builds a megatron-core GPTModel"),
@@ -117,6 +116,12 @@ def check_args(args: Any) -> Optional[HDPParallelLayout]:
 
 def _check_hdp_args(args: Any) -> HDPParallelLayout:
     layout = HDPParallelLayout.from_megatron_args(args)
+    if layout.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size {layout.tensor_model_parallel_size} cannot be combined "
+            "with --bytescale-hdp in pretrain_gpt.py of this version (megatron-core loops can "
+            "use it: see docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
+        )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
             raise ValueError(f"{flag} cannot be combined with --bytescale-hdp: {why}")
@@ -182,16 +187,8 @@ def _check_data_flags(args: Any) -> None:
     if getattr(args, "mock_data", False):
         return
     if not getattr(args, "data_path", None):
-        raise ValueError("--bytescale-hdp needs --data-path PREFIX [PREFIX ...] or --mock-data")
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    _, weights = get_blend_from_list(args.data_path)
-    if weights is not None:
-        raise ValueError(
-            f"--data-path {' '.join(args.data_path)}: weighted blends are not supported with "
-            "--bytescale-hdp yet; pass the prefixes without weights (their documents are used "
-            "one after the other, shuffled)"
-        )
+        raise ValueError("--bytescale-hdp needs --data-path [WEIGHT] PREFIX [[WEIGHT] PREFIX ...] or --mock-data")
+    blend_weights(args)  # a weighted blend: valid weights (shares of tokens)
 
 
 # ----------------------------------------------------------------------------- groups, model

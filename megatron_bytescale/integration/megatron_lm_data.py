@@ -8,10 +8,12 @@ the ranks it needs. So under ``--bytescale-hdp`` the data comes from here:
 * a :class:`DocumentSource` is a set of documents: their lengths (known up front, from the
   ``.idx`` file alone or from a seeded generator) and a reader for any token range of one
   document, used lazily: a rank only reads the tokens of the pieces its micro-batches hold;
-* :func:`budget_batches` walks the documents in a seeded order (reshuffled every epoch),
-  cuts a document longer than the context into context-length sequences (as a Megatron dataset
-  splits long documents into samples), and fills each global batch with a fixed number of
-  tokens (``--global-batch-size x --seq-length``, the same token count per step as a
+* :func:`budget_batches` walks the documents in a seeded order (one permutation per epoch;
+  a weighted ``--data-path`` blends the datasets by tokens, see
+  :mod:`megatron_bytescale.data.document_order`), cuts a document longer than the context into
+  context-length sequences (as a Megatron dataset splits long documents into samples), and
+  fills each global batch with its token budget (the step's global batch size in Megatron's
+  schedule, ramp-up included, x ``--seq-length``: the same token count per step as a
   Megatron run with the same flags); the sequence that would overflow a batch is cut and its
   remainder opens the next batch. The walk reads lengths only, so resuming at step k skips k
   batches without reading a token.
@@ -30,8 +32,10 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_bytescale.data.document_order import DocumentVisit, document_visits
 from megatron_bytescale.data.hdp_iterator import GlobalBatch
 
+from .batch_schedule import GlobalBatchSchedule
 from .config import ByteScaleConfig
 
 logger = logging.getLogger(__name__)
@@ -42,11 +46,21 @@ MIN_TOKENS = 2
 
 @dataclass(frozen=True, kw_only=True)
 class DocumentSource:
-    """Documents: ``lengths[d]`` tokens each, and ``read(d, start, length)`` for their tokens."""
+    """Documents: ``lengths[d]`` tokens each, and ``read(d, start, length)`` for their tokens.
+
+    ``datasets`` holds where each dataset's documents start, plus the end (one dataset, all
+    documents, when empty); ``dataset_names`` names them (for blends and messages).
+    """
 
     name: str
     lengths: np.ndarray
     read: Callable[[int, int, int], np.ndarray]
+    datasets: tuple[int, ...] = ()
+    dataset_names: tuple[str, ...] = ()
+
+    @property
+    def dataset_bounds(self) -> tuple[int, ...]:
+        return self.datasets or (0, len(self.lengths))
 
     @property
     def num_documents(self) -> int:
@@ -55,11 +69,14 @@ class DocumentSource:
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
-    """Tokens ``[start, start + length)`` of document ``doc``: one sequence of a global batch."""
+    """Tokens ``[start, start + length)`` of document ``doc``: one sequence of a global batch,
+    visited in ``epoch`` of its dataset (``dataset``)."""
 
     doc: int
     start: int
     length: int
+    epoch: int = 0
+    dataset: int = 0
 
 
 class PieceTokens(Sequence):
@@ -96,27 +113,37 @@ class PieceTokens(Sequence):
 def budget_batches(
     source: DocumentSource,
     *,
-    tokens_per_batch: int,
+    tokens_per_batch: int | Callable[[int], int],
     context_length: int,
-    seed: int,
+    seed: int | Sequence[int],
     shuffle: bool = True,
     skip_batches: int = 0,
+    weights: Optional[Sequence[float]] = None,
 ) -> Iterator[GlobalBatch]:
-    """Endless global batches of ``tokens_per_batch`` tokens (see the module docstring).
+    """Endless global batches (see the module docstring).
 
     Args:
+        tokens_per_batch: the token budget of every global batch, or of global batch ``i``
+            as ``tokens_per_batch(i)`` (a batch-size ramp-up).
+        seed: seeds the document order (:func:`~megatron_bytescale.data.document_order.
+            document_visits`: one permutation per epoch).
         skip_batches: batches to pass over first (resuming after ``skip_batches`` steps);
             costs no token reads.
+        weights: one blend weight per dataset of ``source`` (Megatron's weighted
+            ``--data-path``: shares of tokens); ``None`` shuffles all documents as one pool.
     """
-    if tokens_per_batch < MIN_TOKENS or context_length < MIN_TOKENS:
-        raise ValueError(
-            f"tokens per global batch ({tokens_per_batch}) and the context length "
-            f"({context_length}) must be at least {MIN_TOKENS}"
-        )
+    budget_of = tokens_per_batch if callable(tokens_per_batch) else (
+        lambda _step, fixed=int(tokens_per_batch): fixed)
+    if context_length < MIN_TOKENS:
+        raise ValueError(f"the context length ({context_length}) must be at least {MIN_TOKENS}")
     if not np.any(source.lengths >= MIN_TOKENS):
         raise ValueError(f"{source.name}: no document has at least {MIN_TOKENS} tokens")
+    visits = document_visits(
+        source.lengths, seed=tuple(np.atleast_1d(seed).tolist()), datasets=source.dataset_bounds,
+        weights=weights, shuffle=shuffle, min_tokens=MIN_TOKENS,
+    )  # fmt: skip
     step = 0
-    for pieces in _batch_pieces(source, tokens_per_batch, context_length, seed, shuffle):
+    for pieces in _batch_pieces(source, visits, budget_of, context_length):
         if step >= skip_batches:
             yield GlobalBatch(
                 lengths=tuple(p.length for p in pieces),
@@ -126,33 +153,34 @@ def budget_batches(
         step += 1
 
 
-def _batch_pieces(
-    source: DocumentSource, budget: int, context: int, seed: int, shuffle: bool
-) -> Iterator[list[Piece]]:
+def _batch_pieces(source: DocumentSource, visits: Iterator[DocumentVisit],
+                  budget_of: Callable[[int], int], context: int) -> Iterator[list[Piece]]:
     current: list[Piece] = []
-    filled = 0
-    epoch = 0
-    while True:
-        order = (
-            np.random.default_rng([seed, epoch]).permutation(source.num_documents)
-            if shuffle
-            else np.arange(source.num_documents)
-        )
-        for doc in order:
-            doc = int(doc)
-            length = int(source.lengths[doc])
-            for sequence_start in range(0, length, context):
-                # one context-length sequence of the document, spread over batches if needed
-                cursor, remaining = sequence_start, min(context, length - sequence_start)
-                while remaining >= MIN_TOKENS:  # (the batch always has >= MIN_TOKENS room here)
-                    take = min(remaining, budget - filled)
-                    current.append(Piece(doc=doc, start=cursor, length=take))
-                    filled += take
-                    cursor, remaining = cursor + take, remaining - take
-                    if budget - filled < MIN_TOKENS:
-                        yield current
-                        current, filled = [], 0
-        epoch += 1
+    filled, step = 0, 0
+    budget = _checked_budget(budget_of, step)
+    for visit in visits:
+        length = int(source.lengths[visit.doc])
+        for sequence_start in range(0, length, context):
+            # one context-length sequence of the document, spread over batches if needed
+            cursor, remaining = sequence_start, min(context, length - sequence_start)
+            while remaining >= MIN_TOKENS:  # (the batch always has >= MIN_TOKENS room here)
+                take = min(remaining, budget - filled)
+                current.append(Piece(doc=visit.doc, start=cursor, length=take,
+                                     epoch=visit.epoch, dataset=visit.dataset))
+                filled += take
+                cursor, remaining = cursor + take, remaining - take
+                if budget - filled < MIN_TOKENS:
+                    yield current
+                    current, filled, step = [], 0, step + 1
+                    budget = _checked_budget(budget_of, step)
+
+
+def _checked_budget(budget_of: Callable[[int], int], step: int) -> int:
+    budget = int(budget_of(step))
+    if budget < MIN_TOKENS:
+        raise ValueError(f"global batch {step} has a budget of {budget} tokens; it needs at "
+                         f"least {MIN_TOKENS}")
+    return budget
 
 
 # ----------------------------------------------------------------------------- sources
@@ -179,34 +207,33 @@ def split_bounds(split: Sequence[float], num_documents: int) -> list[tuple[int, 
 
 
 def indexed_document_source(
-    prefixes: Sequence[str], *, split: Sequence[float], split_index: int
+    prefixes: Sequence[str], *, split: Sequence[float], split_index: int,
+    cache_dir: Optional[str] = None,
 ) -> Optional[DocumentSource]:
     """The ``split_index``-th split (0 train, 1 valid, 2 test) of Megatron indexed datasets.
 
     Documents follow each dataset's ``document_indices`` (a document may span several
     sequences when the data was preprocessed with ``--split-sentences``); each prefix is split
-    separately and the prefixes' documents are concatenated. ``None`` if the split is empty.
+    separately (as Megatron splits each dataset of a blend) and the prefixes' documents are
+    concatenated, one dataset each. Lengths come from the ``.idx`` alone, cached per dataset
+    (:func:`~.document_index.document_lengths`, on disk in ``cache_dir`` if given); tokens are
+    read on demand. ``None`` if the split is empty.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+    from .document_index import DocumentReader, document_lengths
     from .indexed_tokens import is_indexed_prefix
 
     lengths: list[np.ndarray] = []
-    readers: list[Callable[[int, int, int], np.ndarray]] = []
+    readers: list[DocumentReader] = []
     for prefix in prefixes:
         if not is_indexed_prefix(prefix):
             raise ValueError(
                 f"--data-path {prefix}: expected a Megatron indexed dataset {prefix}.bin + "
                 f"{prefix}.idx (written by tools/preprocess_data.py)"
             )
-        dataset = IndexedDataset(str(prefix))
-        seq_lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
-        bounds = np.asarray(dataset.document_indices, dtype=np.int64)
-        seq_offsets = np.concatenate([[0], np.cumsum(seq_lengths)])
-        doc_lengths = seq_offsets[bounds[1:]] - seq_offsets[bounds[:-1]]
+        doc_lengths = document_lengths(str(prefix), cache_dir=cache_dir)
         lo, hi = split_bounds(split, len(doc_lengths))[split_index]
         lengths.append(doc_lengths[lo:hi])
-        readers.append(_document_reader(dataset, bounds[lo:hi + 1], seq_lengths))
+        readers.append(DocumentReader(str(prefix), lo))
     if not lengths or sum(len(x) for x in lengths) == 0:
         return None
     starts = np.cumsum([0] + [len(x) for x in lengths])
@@ -219,28 +246,9 @@ def indexed_document_source(
         name=f"{','.join(prefixes)}[split {split_index}]",
         lengths=np.concatenate(lengths),
         read=read,
+        datasets=tuple(int(x) for x in starts),
+        dataset_names=tuple(str(p) for p in prefixes),
     )
-
-
-def _document_reader(
-    dataset, bounds: np.ndarray, seq_lengths: np.ndarray
-) -> Callable[[int, int, int], np.ndarray]:
-    def read(doc: int, start: int, length: int) -> np.ndarray:
-        first, last = int(bounds[doc]), int(bounds[doc + 1])
-        parts, skip = [], start
-        for seq in range(first, last):
-            n = int(seq_lengths[seq])
-            if skip >= n:
-                skip -= n
-                continue
-            take = min(n - skip, length - sum(len(p) for p in parts))
-            parts.append(np.asarray(dataset.get(seq, offset=skip, length=take)))
-            skip = 0
-            if sum(len(p) for p in parts) == length:
-                break
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    return read
 
 
 def mock_document_source(
@@ -276,9 +284,13 @@ def mock_document_source(
 def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
     """Train / valid / test ``HDPDataIterator`` s (None for an empty split).
 
-    A global batch holds ``--global-batch-size x --seq-length`` tokens of whole documents
-    (cut at ``--bytescale-context-length``); resuming skips the global batches already
-    consumed (``consumed_*_samples // global_batch_size``).
+    A training global batch holds ``S x --seq-length`` tokens of whole documents (cut at
+    ``--bytescale-context-length``), where ``S`` is the step's global batch size in Megatron's
+    schedule (``--global-batch-size``, growing under ``--rampup-batch-size``); evaluation
+    batches use ``--global-batch-size``. A weighted ``--data-path`` blends datasets by tokens.
+    Resuming skips the global batches already consumed: the training steps whose sizes add up
+    to ``consumed_train_samples``, ``consumed_valid_samples // --global-batch-size`` in
+    evaluation.
     """
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
 
@@ -292,11 +304,17 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         config, hdp_size=manager.size, cost_model=cost_model,
         global_ranks=[manager.hdp.global_rank(r) for r in range(manager.size)],
     )  # fmt: skip
-    tokens_per_batch = int(args.global_batch_size) * int(args.seq_length)
+    seq_length = int(args.seq_length)
+    tokens_per_batch = int(args.global_batch_size) * seq_length
+    schedule = GlobalBatchSchedule.from_args(args, data_parallel_size=manager.size)
     device = (torch.device("cuda", torch.cuda.current_device())
               if torch.cuda.is_available() else None)
-    consumed = (getattr(args, "consumed_train_samples", 0) or 0,
-                getattr(args, "consumed_valid_samples", 0) or 0, 0)
+    # training follows the (ramp-up) schedule; evaluation uses --global-batch-size, as Megatron
+    budgets = (lambda step: schedule.samples(step) * seq_length, tokens_per_batch,
+               tokens_per_batch)
+    skips = (schedule.steps_done(getattr(args, "consumed_train_samples", 0) or 0),
+             (getattr(args, "consumed_valid_samples", 0) or 0) // int(args.global_batch_size), 0)
+    weights = blend_weights(args)
     iterators = []
     for split_index in range(3):
         source = _document_source(args, config, split_index, tokens_per_batch)
@@ -304,9 +322,8 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
             iterators.append(None)
             continue
         batches = budget_batches(
-            source, tokens_per_batch=tokens_per_batch, context_length=config.context_length,
-            seed=int(args.seed) + split_index,
-            skip_batches=int(consumed[split_index]) // int(args.global_batch_size),
+            source, tokens_per_batch=budgets[split_index], context_length=config.context_length,
+            seed=(int(args.seed), split_index), skip_batches=skips[split_index], weights=weights,
         )  # fmt: skip
         iterators.append(HDPDataIterator(
             batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
@@ -333,7 +350,25 @@ def _document_source(args: Any, config: ByteScaleConfig, split_index: int, token
 
     prefixes, _ = get_blend_from_list(args.data_path)
     split = parse_and_normalize_split(args.split or "969,30,1")
-    return indexed_document_source(prefixes, split=split, split_index=split_index)
+    return indexed_document_source(prefixes, split=split, split_index=split_index,
+                                   cache_dir=getattr(args, "data_cache_path", None))
+
+
+def blend_weights(args: Any) -> Optional[list[float]]:
+    """The weights of a weighted ``--data-path`` blend (shares of tokens), else None."""
+    if getattr(args, "mock_data", False) or not getattr(args, "data_path", None):
+        return None
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_bytescale.data.document_order import normalized_weights
+
+    prefixes, weights = get_blend_from_list(args.data_path)
+    if weights is None:
+        return None
+    try:
+        return normalized_weights(weights, prefixes).tolist()
+    except ValueError as exc:
+        raise ValueError(f"--data-path {' '.join(args.data_path)}: {exc}") from None
 
 
 def cost_model_from_args(args: Any, config: ByteScaleConfig | None = None) -> Any:

@@ -66,18 +66,46 @@ def token_level_loss(
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def micro_batch_rows(num_tokens: int, config: Any) -> int:
+    """Rows of a micro-batch of ``num_tokens`` as the model sees it.
+
+    With sequence parallelism Megatron splits the token dimension of the packed row across the
+    TP ranks (embedding output, layernorms, dropout; attention and MLP gather it back), so the
+    row must divide by the TP size: it is padded at the end with tokens that carry no loss
+    (loss mask 0), attend to nothing and are attended by nothing (``ByteScaleCoreAttention``
+    leaves them out of the ring), so they change no gradient.
+    """
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    if not getattr(config, "sequence_parallel", False) or tp == 1:
+        return num_tokens
+    return -(-num_tokens // tp) * tp
+
+
 def hdp_forward_step(data_iterator: Iterator["MicroBatchTensors"], model: torch.nn.Module):
     """Megatron-style ``forward_step_func`` for one HDP micro-batch (a packed row, b = 1).
 
     Feeds the model the micro-batch's tokens, original-sequence ``position_ids`` (RoPE) and
     next-token labels; no attention mask (the ring attention builds causal masks per sequence).
+    With sequence parallelism the row is padded to a multiple of the TP size
+    (:func:`micro_batch_rows`). On a pipeline stage after the first the model takes its input
+    from the previous stage (``set_input_tensor``) and ignores the tokens; every stage needs
+    the positions (RoPE in each layer) and the last one the labels.
     """
+    from megatron.core.utils import get_model_config
+
     micro_batch = next(data_iterator)
-    tokens = micro_batch.tokens.reshape(1, -1)
-    position_ids = micro_batch.position_ids.reshape(1, -1)
-    labels = micro_batch.labels.reshape(1, -1)
+    rows = micro_batch_rows(micro_batch.tokens.numel(), get_model_config(model))
+    tokens, position_ids, labels, loss_mask = (
+        _pad_to(t, rows).reshape(1, -1)
+        for t in (micro_batch.tokens, micro_batch.position_ids, micro_batch.labels,
+                  micro_batch.loss_mask)
+    )
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(token_level_loss, micro_batch.loss_mask)
+    return output, partial(token_level_loss, loss_mask)
+
+
+def _pad_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.numel() == rows else torch.nn.functional.pad(t, (0, rows - t.numel()))
 
 
 # ----------------------------------------------------------------------------- records
@@ -331,9 +359,8 @@ def check_model_config(config: Any) -> None:
             "HDP group"
         )
     if getattr(config, "pipeline_model_parallel_size", 1) != 1:
-        from .groups import PP_SCHEDULE_ISSUE
-
-        raise ValueError(f"pipeline_model_parallel_size > 1: {PP_SCHEDULE_ISSUE}")
+        raise ValueError("pipeline_model_parallel_size > 1 cannot be combined with HDP in this "
+                         "version; use pipeline_model_parallel_size=1")
 
 
 def _grad_device(model: torch.nn.Module) -> torch.device:

@@ -58,8 +58,12 @@ def make_transformer_config(
     """A ``TransformerConfig`` with the settings HDP needs (per-token loss, no attention dropout).
 
     On a machine without CUDA the model is initialised on the CPU
-    (``use_cpu_initialization=True``; megatron's GPU initialisation asserts CUDA).
+    (``use_cpu_initialization=True``; megatron's GPU initialisation asserts CUDA). The TP and
+    PP sizes default to those Megatron was initialised with (pass ``sequence_parallel=True``
+    to split the token dimension over the TP ranks).
     """
+    from megatron.core import parallel_state
+
     settings: dict[str, Any] = dict(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -72,6 +76,11 @@ def make_transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         pipeline_dtype=torch.float32,
     )
+    if parallel_state.model_parallel_is_initialized():
+        settings.update(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        )
     settings.update(overrides)
     if not settings["calculate_per_token_loss"]:
         raise ValueError("HDP needs calculate_per_token_loss=True")
@@ -87,17 +96,26 @@ def build_gpt_model(
     position_embedding_type: str = "rope",
     **model_kwargs: Any,
 ) -> ByteScaleGPTModel:
-    """A :class:`ByteScaleGPTModel` on the ByteScale layer spec (PP = 1: pre and post process)."""
+    """A :class:`ByteScaleGPTModel` on the ByteScale layer spec: this pipeline stage's layers.
+
+    ``pre_process`` (embedding) and ``post_process`` (output layer and loss) default to whether
+    this rank is the first / last pipeline stage (both with PP = 1).
+    """
+    from megatron.core import parallel_state
+
     spec = get_bytescale_layer_spec(use_transformer_engine=use_transformer_engine)
+    stages = dict(pre_process=True, post_process=True)
+    if parallel_state.model_parallel_is_initialized():
+        stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage())
+    stages.update(model_kwargs)
     model = ByteScaleGPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        pre_process=True,
-        post_process=True,
         position_embedding_type=position_embedding_type,
-        **model_kwargs,
+        **stages,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -76,6 +76,31 @@ logger = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
 
+@dataclass(frozen=True)
+class RingTimeTerms:
+    """Per-member seconds of micro-batches by what they are spent on (numpy arrays or scalars).
+
+    ``compute + exposed_comm + step_overhead + exposed_offload`` is the micro-batch's time
+    (:meth:`CostModel.ring_time_from_sums`); ``comm`` is the link time of its ring steps,
+    hidden or not (the share of it that compute does not hide is ``exposed_comm``).
+    """
+
+    compute: Any
+    """Linear layers and attention kernels: the time with free links."""
+    exposed_comm: Any
+    """P2P time a ring step's compute does not hide."""
+    step_overhead: Any
+    """``ring_step_overhead_s`` per ring step."""
+    exposed_offload: Any
+    """PCIe transfer time the layer's compute does not hide (0 for Eq. 3's ratios)."""
+    comm: Any
+    """All P2P time of the ring steps, overlapped or not."""
+
+    @property
+    def total(self) -> Any:
+        return self.compute + self.exposed_comm + self.step_overhead + self.exposed_offload
+
+
 # --------------------------------------------------------------------------- model
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
@@ -296,7 +321,25 @@ class CostModel:
         """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
 
         See the module docstring for the formula; ``ring_size`` 1 means a local micro-batch.
+        It is the sum of :meth:`ring_time_terms`.
         """
+        out = self.ring_time_terms(
+            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node
+        ).total
+        return float(out) if out.ndim == 0 else out
+
+    def ring_time_terms(
+        self,
+        sum_p: Any,
+        sum_p2: Any,
+        ring_size: Any,
+        *,
+        layers: int,
+        offload_ratio: Any = 0.0,
+        intra_node: Any = True,
+    ) -> "RingTimeTerms":
+        """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
+        ``layers`` layers): the simulator reports where a step goes with the planner's own model."""
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
@@ -310,13 +353,17 @@ class CostModel:
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
         steps = d - 1.0
-        ring = c_f + c_b + steps * (
-            np.maximum(c_f, m_f) + np.maximum(c_b, m_b) + self.ring_step_overhead_s
+        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b)
+        overhead = steps * self.ring_step_overhead_s
+        layer = linear + attn + exposed_comm + overhead
+        exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
+        return RingTimeTerms(
+            compute=layers * (linear + attn),
+            exposed_comm=layers * exposed_comm,
+            step_overhead=layers * overhead,
+            exposed_offload=layers * exposed_offload,
+            comm=layers * steps * (m_f + m_b),
         )
-        layer = linear + ring
-        exposed = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
-        out = layers * (layer + exposed)
-        return float(out) if out.ndim == 0 else out
 
     def micro_batch_time(
         self,

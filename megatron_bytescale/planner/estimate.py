@@ -59,6 +59,11 @@ class MicroBatchCosts:
     seq_lengths: np.ndarray
     holders: dict[int, list[int]]
     """order -> the ranks whose lists hold that micro-batch."""
+    sum_p: np.ndarray | None = None
+    """``sum(P_j)`` per micro-batch: with ``sum_p2`` and ``intra_node`` the inputs of
+    :meth:`CostModel.ring_time_from_sums` (the simulator splits ``seconds`` into its terms)."""
+    sum_p2: np.ndarray | None = None
+    intra_node: np.ndarray | None = None
 
 
 def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> MicroBatchCosts:
@@ -83,7 +88,8 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
         z = np.zeros(0)
         zi = z.astype(np.int64)
         return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, inter_node_bytes=z,
-                               rings=(), offload=z, seq_owner=zi, seq_lengths=zi, holders={})
+                               rings=(), offload=z, seq_owner=zi, seq_lengths=zi, holders={},
+                               sum_p=z, sum_p2=z, intra_node=zi.astype(bool))
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
@@ -119,7 +125,8 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     inter = p2p * links / ring_sizes  # every link of the cycle carries 1/D of the bytes
     return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
                            inter_node_bytes=inter, rings=tuple(rings), offload=offload,
-                           seq_owner=owner_arr, seq_lengths=s, holders=holders)
+                           seq_owner=owner_arr, seq_lengths=s, holders=holders,
+                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra)
 
 
 def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16,
@@ -170,21 +177,29 @@ def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False
 
 def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
     """PP = 1 fast path: process micro-batches in ascending order (valid plans only: every
-    rank's list ascends, so this is the same schedule :func:`.order.simulate` computes)."""
+    rank's list ascends, so this is the same schedule :func:`.order.simulate` computes).
+
+    A barrier holds back what comes after it until everything before it is done; a rank's time
+    is the end of its own last micro-batch (0 without any), as in :func:`.order.simulate`.
+    """
     members = costs.holders
     barriers = sorted(set(int(b) for b in plan.meta.get("barrier_after_orders", []) or []))
     free = np.zeros(plan.hdp_size)
+    latest = released = 0.0  # the latest end so far; when the last barrier passed lets ranks go
     bi = 0
     for o, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
         while bi < len(barriers) and barriers[bi] < o:
-            free[:] = free.max()
+            released = latest
             bi += 1
         ranks = members[o]
         if len(ranks) == 1:
-            free[ranks[0]] += t
+            end = max(free[ranks[0]], released) + t
+            free[ranks[0]] = end
         else:
             idx = np.asarray(ranks)
-            free[idx] = free[idx].max() + t
+            end = max(float(free[idx].max()), released) + t
+            free[idx] = end
+        latest = max(latest, end)
     return free
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -177,29 +178,26 @@ class StepPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepPlan":
-        """Build a plan from :meth:`to_dict` output; malformed input raises :class:`PlanError`."""
+        """Build a plan from :meth:`to_dict` output; malformed input raises :class:`PlanError`.
+
+        Integer fields must be JSON integers: ``1.5``, ``true`` or ``"01"`` would otherwise be
+        read as some other plan than the one written (``int(1.5) == 1``, ``tuple("01")``).
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"malformed plan: expected a JSON object, got {type(data).__name__}")
         try:
-            version = int(data.get("version", PLAN_VERSION))
+            version = _as_int(data.get("version", PLAN_VERSION), "version")
             if version != PLAN_VERSION:
                 raise PlanError(f"plan version {version} is not supported (expected {PLAN_VERSION})")
             ranks = tuple(
                 RankPlan(
-                    rank=int(r["rank"]),
+                    rank=_as_int(r["rank"], f"ranks[{i}].rank"),
                     micro_batches=tuple(
-                        MicroBatch(
-                            order=int(mb["order"]),
-                            ring=tuple(int(x) for x in mb["ring"]),
-                            offload_ratio=float(mb.get("offload_ratio", 0.0)),
-                            seqs=tuple(int(x) for x in mb.get("seqs", _seqs_of(mb["pieces"]))),
-                            pieces=tuple(
-                                Piece(seq=int(p["seq"]), start=int(p["start"]), end=int(p["end"]))
-                                for p in mb["pieces"]
-                            ),
-                        )
-                        for mb in r["micro_batches"]
+                        _micro_batch_from_dict(mb, f"ranks[{i}].micro_batches[{j}]")
+                        for j, mb in enumerate(_as_list(r["micro_batches"], f"ranks[{i}].micro_batches"))
                     ),
                 )
-                for r in data["ranks"]
+                for i, r in enumerate(_as_list(data["ranks"], "ranks"))
             )
             est = data.get("estimate")
             estimate = None
@@ -207,20 +205,22 @@ class StepPlan:
                 known = {"step_time_s", "rank_time_s", "p2p_bytes"}
                 estimate = Estimate(
                     step_time_s=float(est["step_time_s"]),
-                    rank_time_s=tuple(float(x) for x in est["rank_time_s"]),
-                    p2p_bytes=int(est["p2p_bytes"]),
+                    rank_time_s=tuple(float(x) for x in _as_list(est["rank_time_s"], "estimate.rank_time_s")),
+                    p2p_bytes=_as_int(est["p2p_bytes"], "estimate.p2p_bytes"),
                     extra={k: v for k, v in est.items() if k not in known},
                 )
             return cls(
                 version=version,
-                hdp_size=int(data["hdp_size"]),
-                capacity=int(data["capacity"]),
-                pp_size=int(data.get("pp_size", 1)),
+                hdp_size=_as_int(data["hdp_size"], "hdp_size"),
+                capacity=_as_int(data["capacity"], "capacity"),
+                pp_size=_as_int(data.get("pp_size", 1), "pp_size"),
                 scheduler=str(data["scheduler"]),
-                layers_per_stage=int(data.get("layers_per_stage", 1)),
-                align=int(data.get("align", 1)),
+                layers_per_stage=_as_int(data.get("layers_per_stage", 1), "layers_per_stage"),
+                align=_as_int(data.get("align", 1), "align"),
                 sequences=tuple(
-                    Sequence(id=int(s["id"]), length=int(s["length"])) for s in data["sequences"]
+                    Sequence(id=_as_int(s["id"], f"sequences[{k}].id"),
+                             length=_as_int(s["length"], f"sequences[{k}].length"))
+                    for k, s in enumerate(_as_list(data["sequences"], "sequences"))
                 ),
                 ranks=ranks,
                 estimate=estimate,
@@ -228,7 +228,9 @@ class StepPlan:
             )
         except PlanError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise PlanError(f"malformed plan: missing field {exc}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"malformed plan: {type(exc).__name__}: {exc}") from exc
 
     @classmethod
@@ -252,6 +254,39 @@ class StepPlan:
         """Check every invariant of DESIGN.md §4; raise :class:`PlanError` naming the first broken one."""
         _validate(self)
         return self
+
+
+def _as_int(value: Any, where: str) -> int:
+    """A JSON integer (bool and float refused: they would silently become another plan)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PlanError(f"malformed plan: {where} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    """A JSON array (a string or object would be iterated character by character / by key)."""
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"malformed plan: {where} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _micro_batch_from_dict(mb: Mapping[str, Any], where: str) -> MicroBatch:
+    if not isinstance(mb, Mapping):
+        raise PlanError(f"malformed plan: {where} must be an object, got {type(mb).__name__}")
+    pieces = _as_list(mb["pieces"], f"{where}.pieces")
+    seqs = mb["seqs"] if "seqs" in mb else _seqs_of(pieces)
+    return MicroBatch(
+        order=_as_int(mb["order"], f"{where}.order"),
+        ring=tuple(_as_int(x, f"{where}.ring") for x in _as_list(mb["ring"], f"{where}.ring")),
+        offload_ratio=float(mb.get("offload_ratio", 0.0)),
+        seqs=tuple(_as_int(x, f"{where}.seqs") for x in _as_list(seqs, f"{where}.seqs")),
+        pieces=tuple(
+            Piece(seq=_as_int(p["seq"], f"{where}.pieces[{k}].seq"),
+                  start=_as_int(p["start"], f"{where}.pieces[{k}].start"),
+                  end=_as_int(p["end"], f"{where}.pieces[{k}].end"))
+            for k, p in enumerate(pieces)
+        ),
+    )
 
 
 def _seqs_of(pieces: Iterable[Mapping[str, Any]]) -> list[int]:

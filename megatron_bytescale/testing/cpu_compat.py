@@ -8,10 +8,15 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
   dropout, even at p = 0) stores and restores *CUDA* generator states;
 * the schedules, P2P communication and DDP create tensors with the literal ``device="cuda"``,
   call ``torch.cuda.current_device()``, ``torch.cuda.synchronize()`` and (0.19.x)
-  ``torch.cuda.current_stream()``.
+  ``torch.cuda.current_stream()``;
+* without apex or Transformer Engine the local layer spec's norm is ``WrappedTorchNorm``,
+  which refuses sequence parallelism: under SP every TP rank normalises only its share of the
+  tokens, so the norm's weights need the ``sequence_parallel`` attribute that makes
+  ``finalize_model_grads`` all-reduce their gradients over the TP group, and only the fused
+  (apex / TE) norms set it.
 
 :func:`enable_cpu_megatron` redirects all of these to the CPU: the memory buffer allocates on
-the CPU, the "CUDA" RNG states are CPU generator states, the ``torch.cuda`` calls become
+the CPU, the torch norm marks its weights for sequence parallelism as apex's fused norm does, the "CUDA" RNG states are CPU generator states, the ``torch.cuda`` calls become
 harmless stand-ins, and a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA device
 argument (``"cuda"``, ``"cuda:0"``, an int, ``torch.device("cuda")``) to ``"cpu"``, because a
 string literal inside megatron cannot be monkeypatched. The mode costs about 1 ms on a 30 ms
@@ -77,10 +82,12 @@ def enable_cpu_megatron(*, allow_with_cuda: bool = False) -> None:
         if _ENABLED:
             return
         _patch_memory_buffer()
+        _patch_torch_norm()
         _patch_rng_tracker()
         _patch_torch_cuda_calls()
         _MODE = _CudaDeviceToCpu()
         _MODE.__enter__()
+        _keep_mode_in_backward(_MODE)
         _ENABLED = True
         logger.info("megatron-core CPU stand-ins enabled (tests and CPU demo only)")
 
@@ -101,6 +108,28 @@ def _patch_memory_buffer() -> None:
         return buffer[0:required].view(*tensor_shape)
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor_on_cpu
+
+
+def _patch_torch_norm() -> None:
+    """``WrappedTorchNorm`` with sequence parallelism: the torch norm, weights marked as
+    apex's ``FusedLayerNorm`` marks them (``param.sequence_parallel = True``)."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args: Any, **kwargs: Any):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 def _patch_rng_tracker() -> None:
@@ -163,6 +192,26 @@ def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return False
+
+
+def _keep_mode_in_backward(mode: TorchFunctionMode) -> None:
+    """Run custom autograd backwards under ``mode`` too.
+
+    ``loss.backward()`` reaches the mode's handler, and a mode is switched off while its own
+    handler runs, so the whole backward would run without it; megatron's tensor-parallel
+    linears allocate ``device=torch.cuda.current_device()`` buffers in their backward
+    (sequence-parallel reduce-scatter). The engine calls ``BackwardCFunction.apply`` for every
+    custom ``autograd.Function``; entering the mode there restores the rewrite.
+    """
+    from torch.autograd import function as autograd_function
+
+    apply = autograd_function.BackwardCFunction.apply
+
+    def apply_with_mode(self, *args: Any) -> Any:
+        with mode:
+            return apply(self, *args)
+
+    autograd_function.BackwardCFunction.apply = apply_with_mode
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):

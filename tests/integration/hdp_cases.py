@@ -88,7 +88,7 @@ def grab_grads_before_step(ddp, optimizer) -> dict[str, torch.Tensor]:
 
 
 def reference_loss_and_grads(
-    config, initial_state, sequences
+    config, initial_state, sequences, **model_kwargs: Any
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, megatron's own local GPT, every sequence alone with full causal attention."""
     from megatron.core.models.gpt import GPTModel
@@ -100,6 +100,7 @@ def reference_loss_and_grads(
         vocab_size=VOCAB,
         max_sequence_length=CONTEXT,
         position_embedding_type="rope",
+        **model_kwargs,
     )
     model.load_state_dict(initial_state)
     total = torch.zeros([])

@@ -14,15 +14,25 @@ from megatron_bytescale.testing import cpu_compat
     [
         (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
-        (dict(pipeline_model_parallel_size=2), "PP > 1 is not served yet"),
-        (dict(virtual_pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
-        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
+        (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
+        (dict(virtual_pipeline_model_parallel_size=2), "interleaved pipeline stages"),
         (dict(expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
+        (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
+        (dict(tensor_model_parallel_size=4, num_attention_heads=6),
+         "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+        (dict(tensor_model_parallel_size=4, num_attention_heads=8, num_query_groups=2),
+         "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     ],
 )
 def test_layout_refuses_unsupported_parallelism(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HDPParallelLayout(world_size=8, **kwargs)
+
+
+def test_layout_serves_tensor_parallelism():
+    layout = HDPParallelLayout(world_size=8, tensor_model_parallel_size=2, num_attention_heads=8,
+                               num_query_groups=2)
+    assert layout.hdp_size == 4
 
 
 def test_layout_from_megatron_args():

@@ -204,6 +204,11 @@ def test_ring_p2p_bytes_formula():
     assert cm.ring_p2p_bytes([10, 7], 3, layers=2) == 2 * (3 - 1) * (2 * 8 + 16) * 24
     # align 4: chunks become 4 -> padded 24 + 24
     assert cm.ring_p2p_bytes([10, 7], 3, layers=2, align=4) == 2 * 2 * 32 * 48
+    # align 3: chunks become 3 -> padded 18 + 18; align 8: 8 -> 48 + 48
+    assert cm.ring_p2p_bytes([10, 7], 3, layers=2, align=3) == 2 * 2 * 32 * 36
+    assert cm.ring_p2p_bytes([10, 7], 3, layers=2, align=8) == 2 * 2 * 32 * 96
+    # 23 tokens on 2 ranks: ceil(23/4) = 6 -> align 4: 8 -> padded 32
+    assert cm.ring_p2p_bytes([23], 2, layers=1, align=4) == 1 * 1 * 32 * 32
     assert cm.ring_p2p_bytes([10, 7], 1, layers=2) == 0
 
 

@@ -119,7 +119,9 @@ def test_estimate_ring_waits_for_all_members():
     assert x["balance_ratio"] == pytest.approx(5.0 / (8 / 3))
     assert x["num_rings"] == 1 and x["ring_size_histogram"] == {"1": 2, "2": 1}
     assert x["micro_batch_counts"] == [2, 2, 0]
-    assert est.p2p_bytes == linear_model().ring_p2p_bytes([4000], 2, layers=1)
+    # 4000 tokens on 2 ranks: 4 parts of 1000, no padding; 1 layer, 1 hop, K+V (64 B) forward,
+    # K+V and dK+dV (64 + 128 B) backward per token: 256 * 4000
+    assert est.p2p_bytes == 1_024_000
     # the generic simulation agrees with the fast path
     sim = simulate(plan, {0: 1.0, 1: 3.0, 2: 2.0})
     assert list(sim.rank_finish_s) == pytest.approx([5.0, 5.0, 0.0])

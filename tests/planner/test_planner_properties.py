@@ -32,7 +32,39 @@ def _plan(batch, scheduler, *, pp_size=1, offload=True, cm=CM):
         raise
 
 
-def _check(plan, lengths):
+def _padded(length: int, ring: int, align: int) -> int:
+    """Tokens a ring member's buffer holds for one sequence: 2 parts of the aligned ceil(L / 2N)."""
+    return length if ring == 1 else 2 * ring * align * -(-length // (2 * ring * align))
+
+
+def _check_estimate(plan, cm):
+    """The estimate against numbers recomputed here from the cost model's public API."""
+    est = plan.estimate
+    assert est is not None and len(est.rank_time_s) == plan.hdp_size
+    assert est.step_time_s == max(est.rank_time_s, default=0.0)
+    lengths = plan.sequence_lengths()
+    seconds, p2p = {}, 0
+    for rp in plan.ranks:
+        for mb in rp.micro_batches:
+            if mb.order not in seconds:
+                ls = [lengths[s] for s in mb.seqs]
+                seconds[mb.order] = cm.micro_batch_time(
+                    ls, mb.ring_size, layers=plan.layers_per_stage, offload_ratio=mb.offload_ratio,
+                    align=plan.align, intra_node=cm.ring_is_intra_node(mb.ring))
+                # every hop moves K+V forward, K+V and dK+dV backward, per padded token and layer
+                p2p += (cm.num_layers * (mb.ring_size - 1) * (2 * cm.kv_bytes_per_token + cm.dkv_bytes)
+                        * sum(_padded(n, mb.ring_size, plan.align) for n in ls))
+    assert est.p2p_bytes == pytest.approx(p2p, rel=1e-9, abs=1)
+    for rp, finish in zip(plan.ranks, est.rank_time_s):
+        # a rank (stage 0 of its pipeline) runs every op of its micro-batches one after another
+        busy = sum(seconds[mb.order] for mb in rp.micro_batches)
+        assert finish >= busy * (1 - 1e-9) and (finish > 0) == bool(rp.micro_batches)
+        barriers = plan.meta.get("barrier_after_orders")
+        if plan.pp_size == 1 and not barriers and all(mb.ring_size == 1 for mb in rp.micro_batches):
+            assert finish == pytest.approx(busy, rel=1e-9)  # nothing to wait for
+
+
+def _check(plan, lengths, cm=CM):
     plan.validate()
     check_deadlock_free(plan)
     planned = plan.sequence_lengths()
@@ -43,7 +75,7 @@ def _check(plan, lengths):
     for rp in plan.ranks:  # the memory budget, explicitly (validate checks it too)
         for mb in rp.micro_batches:
             assert resident_tokens(mb.num_tokens, mb.offload_ratio, plan.layers_per_stage) <= plan.capacity + 1e-9
-    assert plan.estimate is not None and plan.estimate.step_time_s >= 0
+    _check_estimate(plan, cm)
 
 
 @pytest.mark.parametrize("scheduler", ["naive", "balance", "static", "pow2"])
@@ -94,4 +126,5 @@ def test_balance_is_never_worse_than_naive(batch, offload, fast, pp_size):
     cm = CM_FAST_LINKS if fast else CM
     naive = _plan(batch, "naive", offload=offload, cm=cm, pp_size=pp_size)
     balance = _plan(batch, "balance", offload=offload, cm=cm, pp_size=pp_size)
+    _check_estimate(balance, cm)
     assert balance.estimate.step_time_s <= naive.estimate.step_time_s * (1 + 1e-9)

@@ -178,8 +178,20 @@ def test_overlong_error_drop_truncate():
     p = plan([50, 900, 20], "balance", offload=False, overlong="truncate")
     assert p.meta["truncated"] == [{"id": 1, "from": 900, "to": 800}]
     assert p.sequence_lengths()[1] == 800
-    # with offload the same sequence fits
-    plan([50, 900, 20], "balance", cost_model=small_cost_model(alpha1=1e-5))
+    # with offload the same sequence fits whole: 900 tokens need 9 ranks of C = 100 without it
+    # (at most 8 here), so its ring offloads; Eq. 3 with l = 8 keeps 2 + (1 - r) * 6 of 8
+    # layers resident, which must hold the fullest member's zigzag share
+    p = plan([50, 900, 20], "balance", cost_model=small_cost_model(alpha1=1e-5))
+    assert p.sequence_lengths() == {0: 50, 1: 900, 2: 20} and "truncated" not in p.meta
+    assert p.layers_per_stage == 8
+    mb = next(m for rp in p.ranks for m in rp.micro_batches if 1 in m.seqs)
+    assert mb.seqs == (1,) and 2 <= mb.ring_size <= 8 and 0 < mb.offload_ratio <= 1
+    d = mb.ring_size
+    chunk = -(-900 // (2 * d))  # align 1
+    fullest = max(min(chunk, max(0, 900 - k * chunk)) + min(chunk, max(0, 900 - (2 * d - 1 - k) * chunk))
+                  for k in range(d))
+    assert fullest > 100  # it would not fit without offload...
+    assert fullest * (2 + (1 - mb.offload_ratio) * 6) / 8 <= 100 + 1e-9  # ...and fits with it
 
 
 def test_context_length_caps_every_scheduler():

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megatron_bytescale.planner import MicroBatch, Piece, PlanBuilder, RankPlan, Sequence, StepPlan
-from megatron_bytescale.planner.zigzag import zigzag_chunk
 from megatron_bytescale.runtime import (
     PAD_TOKEN_ID,
     Ring,
@@ -103,12 +102,19 @@ def test_slots_follow_zigzag_layout():
     builder = PlanBuilder(hdp_size=5, capacity=10**6, lengths=lengths, align=4)
     builder.add([4, 1, 3], [0, 1, 2])
     plan = builder.build(scheduler="t").validate()
+    # by hand, 6 parts each, align 4: 23 -> ceil(23/6) = 4 -> 4; 5 -> 1 -> 4; 64 -> 11 -> 12
+    chunks = {0: 4, 1: 4, 2: 12}
+    # real tokens per ring position (parts i and 5-i, padding at the end of the sequence):
+    # 23 = [0,4)..[16,20) [20,23): positions hold 4+3, 4+4, 4+4; 5 = [0,4) [4,5): 4+0, 1+0, 0;
+    # 64 = [0,12)..[48,60) [60,64): 12+4, 12+12, 12+12
+    real = {0: (7, 8, 8), 1: (4, 1, 0), 2: (16, 24, 24)}
     for position, rank in enumerate((4, 1, 3)):
         layout = layout_for(plan, rank, 0)
         assert layout.ring == Ring((4, 1, 3), position)
         offset = 0
         for slot, seq in zip(layout.slots, (0, 1, 2)):
-            chunk = zigzag_chunk(lengths[seq], 3, 4)
+            chunk = chunks[seq]
+            assert slot.num_real == real[seq][position] and slot.real_by_position == real[seq]
             assert (slot.seq, slot.length, slot.chunk, slot.offset) == (
                 seq,
                 lengths[seq],
@@ -121,7 +127,7 @@ def test_slots_follow_zigzag_layout():
                 ((5 - position) * chunk, (6 - position) * chunk),
             )
             offset += 2 * chunk
-        assert layout.num_tokens == offset
+        assert layout.num_tokens == offset == 40  # 2 * (4 + 4 + 12) rows on every member
         assert layout.cu_seqlens.tolist() == [
             0,
             *np.cumsum([s.num_local for s in layout.slots]).tolist(),
@@ -203,3 +209,23 @@ def test_runtime_never_imports_megatron():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_p2p_bytes_of_a_plan_by_hand():
+    from megatron_bytescale.runtime import plan_p2p_bytes, ring_local_tokens
+
+    lengths = {0: 23, 1: 5, 2: 64, 3: 50}
+    builder = PlanBuilder(hdp_size=5, capacity=10**6, lengths=lengths, align=4)
+    builder.add([4, 1, 3], [0, 1, 2])  # 40 rows per member (test_slots_follow_zigzag_layout)
+    builder.add([2], [3])  # local: no traffic
+    plan = builder.build(scheduler="t").validate()
+    assert ring_local_tokens([23, 5, 64], 3, 4) == 40
+    assert ring_local_tokens([23, 5, 64], 1, 4) == 92  # a local pack is not padded
+    assert ring_local_tokens([50], 2, 3) == 2 * 15  # two parts of 50 / 4 = 12.5 -> 13 -> 15 (align 3)
+    # per member per layer, Nkv = 2, H = 8: K+V are 2 * 40 * 2 * 8 = 1280 elements; forward sends
+    # them 2 hops (bf16, 2 B), backward again plus the fp32 dK/dV accumulators (2 + 4 B)
+    per_member = 2 * 1280 * 2 + 2 * 1280 * (2 + 4)
+    assert per_member == 20480
+    got = plan_p2p_bytes(plan, num_kv_heads=2, head_dim=8, element_size=2, num_layers=3)
+    assert got == 3 * 3 * per_member  # 3 members, 3 layers
+    assert plan_p2p_bytes(plan, num_kv_heads=2, head_dim=8, element_size=2, backward=False) == 3 * 2 * 1280 * 2

@@ -56,6 +56,7 @@ def make_plan(
     num_buckets: int = DEFAULT_NUM_BUCKETS,
     estimate: bool = True,
     topology: Topology | None = None,
+    pieces: bool = True,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -79,6 +80,10 @@ def make_plan(
             cost model's ``ranks_per_node`` consecutive ranks per node. ``balance`` keeps rings
             that fit a node inside one and spreads larger rings over the fewest nodes; the
             estimate reports the P2P bytes that cross nodes. Recorded in ``meta["topology"]``.
+        pieces: False builds a timing-only plan: the same rings, sequences and orders, but no
+            token pieces (``meta["pieces"] = False``; ``validate()`` rejects it and the runtime
+            cannot train it). The simulator uses it: splitting every document of a 2M-token
+            static bin over 256 ranks costs more than the whole schedule at scale.
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -92,7 +97,7 @@ def make_plan(
     request = build_request(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
-        delta=delta, num_buckets=num_buckets, topology=topology,
+        delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.

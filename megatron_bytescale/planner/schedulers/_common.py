@@ -45,6 +45,8 @@ class PlanRequest:
     num_buckets: int = 4
     topology: Topology | None = None
     """Where the HDP ranks sit (None: the cost model's ``ranks_per_node``)."""
+    pieces: bool = True
+    """False: a timing-only plan (no token pieces; see :func:`make_plan`)."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
@@ -111,6 +113,7 @@ def build_request(
     delta: float,
     num_buckets: int,
     topology: Topology | None = None,
+    pieces: bool = True,
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -142,7 +145,7 @@ def build_request(
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
-        topology=topology,
+        topology=topology, pieces=bool(pieces),
     )
 
 
@@ -195,7 +198,15 @@ class FastPlanBuilder(PlanBuilder):
     :func:`~megatron_bytescale.planner.plan.build_ring_micro_batches` calls ``zigzag_share``
     per member, which lists all 2N parts: O(N^2) per ring, minutes for rings of thousands of
     ranks. Here each member's two parts come from the chunk size directly.
+
+    With ``pieces=False`` every member gets the same micro-batch with no pieces: a timing-only
+    plan for the simulator (rings, sequences and orders are all its estimate reads), which
+    skips the zigzag split of every document over its ring.
     """
+
+    def __init__(self, *, pieces: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pieces = pieces
 
     def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
         order = self._next_order
@@ -203,6 +214,11 @@ class FastPlanBuilder(PlanBuilder):
         ring_t = tuple(int(r) for r in ring)
         seqs_t = tuple(int(s) for s in seqs)
         n = len(ring_t)
+        if not self.pieces:
+            shared = MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=())
+            for rank in ring_t:
+                self.per_rank[rank].append(shared)
+            return order
         if n == 1:
             pieces = tuple(Piece(seq=s, start=0, end=self.lengths[s]) for s in seqs_t)
             self.per_rank[ring_t[0]].append(
@@ -241,7 +257,7 @@ def emit_plan(
     """
     lengths = dict(zip(request.ids, request.lengths))
     builder = FastPlanBuilder(hdp_size=request.hdp_size, capacity=request.capacity,
-                              lengths=lengths, align=request.align)
+                              lengths=lengths, align=request.align, pieces=request.pieces)
     for p in placements:
         builder.add(p.ring, p.seqs, p.offload_ratio)
     ring_sizes = [len(p.ring) for p in placements]
@@ -255,6 +271,7 @@ def emit_plan(
         "offloaded_micro_batches": sum(1 for p in placements if p.offload_ratio > 0),
         "overlong": request.overlong,
         "topology": Topology.of(request.cost_model, request.topology).to_dict(),
+        **({} if request.pieces else {"pieces": False}),
         **request.meta,
         **(meta or {}),
     }

@@ -21,8 +21,9 @@ sequence on D(s) ranks from Eq. 3). Then:
    which we run with a heap: buckets and delta therefore do not change DP-Balance plans (they
    shape PP-Balance). Units go heaviest *work* first (rank-seconds: a wide ring before a long
    single, so rings start while ranks are still level; a ring starts when its slowest member is
-   free and that idle wait is charged). A ring that fits one node may take the least-loaded
-   ranks of one node instead when NVLink makes it finish first. Ranks that run light units get
+   free and that idle wait is charged). Topology (:mod:`.placement`): a ring that fits a node
+   takes ranks of one node, a longer one the fewest, whole nodes, in node-contiguous order,
+   unless that would finish more than 1 % of the lower bound later than the load-only choice. Ranks that run light units get
    more of them, so micro-batch counts differ per rank.
 4. **PP-Balance (pp_size > 1).** Ring micro-batches must sit at the same local index on all
    members (D5, checked by the validator). Rings are placed first, widest first, on the D
@@ -61,6 +62,7 @@ from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit, shard_batch
 from .naive import fill_steps, fill_steps_aligned
+from .placement import RingPlacer, accept_compact
 from ._common import (
     Placement,
     PlanRequest,
@@ -189,7 +191,7 @@ def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: Shard
     """Finish time of ``placements`` run in order, rings starting when all members are free."""
     by_seqs = {u.seqs: u for u in units}
     free = np.zeros(n)
-    cm = ctx.cost_model
+    topo = ctx.nodes
     for p in placements:
         u = by_seqs[p.seqs]
         if len(p.ring) == 1:
@@ -197,7 +199,7 @@ def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: Shard
         else:
             idx = list(p.ring)
             free[idx] = free[idx].max() + ctx.unit_time(u.lengths, len(p.ring), u.offload_ratio,
-                                                        intra_node=cm.ring_is_intra_node(p.ring))
+                                                        intra_node=topo.ring_is_intra_node(p.ring))
     return float(free.max()) if n else 0.0
 
 
@@ -210,16 +212,19 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     rank. The placements come back sorted by start time, so every rank's run order is its time
     order and the global order stays consistent for rings (D5).
 
-    Topology: a ring of at most ``ranks_per_node`` members may instead take the D least-loaded
-    ranks of one node (one of the nodes of the overall choice) when NVLink makes it finish first.
+    Topology (:mod:`.placement`): a ring whose least-loaded ranks span more nodes than its size
+    needs takes the compact choice instead (one node for a ring that fits one, else the fewest,
+    whole nodes) unless that finishes more than ``COMPACT_SLACK`` of the lower bound later;
+    failing that, the earliest choice on at most one node more than the minimum. Members are
+    ordered node by node.
     Returns the placements and their makespan (the estimate's step time for PP = 1).
     """
-    loads = np.zeros(n)
+    placer = RingPlacer(ctx.nodes, n)
+    loads = placer.loads
+    lower_bound = sum(u.work for u in units) / n if n else 0.0
     heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == loads[rank]
     holes = _Holes()
     timed: list[tuple[float, int, Placement]] = []
-    cm = ctx.cost_model
-    rpn = cm.ranks_per_node
     for index, u in enumerate(units):
         d = u.ring_size
         if d == 1:
@@ -233,34 +238,52 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
             t, r = heapq.heappop(heap)
             if t == loads[r] and r not in picked:
                 picked.append(r)
-        ring = tuple(sorted(picked))
         if d == 1:
+            ring = (picked[0],)
             start, t_u = loads[ring[0]], u.time
         else:
-            start = float(loads[list(ring)].max())
-            t_u = ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=cm.ring_is_intra_node(ring))
-            if d <= rpn and not cm.ring_is_intra_node(ring):
-                t_in = ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=True)
-                for node in sorted({r // rpn for r in ring}):
-                    members = np.arange(node * rpn, min(n, (node + 1) * rpn))
-                    if len(members) < d:
-                        continue
-                    best = members[np.lexsort((members, loads[members]))[:d]]
-                    s_node = float(loads[best].max())
-                    if s_node + t_in < start + t_u:
-                        start, t_u, ring = s_node, t_in, tuple(sorted(int(x) for x in best))
+            start, ring, t_u = _place_ring(u, picked, placer, ctx, lower_bound)
             for r in ring:
                 holes.add(float(loads[r]), start, r)
         end = start + t_u
         for r in picked:
             if r not in ring:
                 heapq.heappush(heap, (loads[r], r))
+        placer.set_loads(ring, end)
         for r in ring:
-            loads[r] = end
             heapq.heappush(heap, (end, r))
         timed.append((start, index, Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio)))
     timed.sort(key=lambda x: (x[0], x[1]))
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
+
+
+def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext, lower_bound: float,
+                eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...], float]:
+    """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks, or the compact
+    choice of :class:`.placement.RingPlacer` (see :func:`dp_balance`)."""
+    topo = placer.topology
+    d = len(picked)
+
+    def time_on(ring: tuple[int, ...]) -> float:
+        return ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=topo.ring_is_intra_node(ring))
+
+    ring = topo.node_contiguous(picked)
+    start = float(placer.loads[list(ring)].max())
+    if placer.spans_min_nodes(ring):
+        return start, ring, time_on(ring)
+    # ``ring`` spans more nodes than it needs, so it is not on one node: a compact ring is never
+    # slower per step, and starting no later than the slack allows is enough to accept it
+    choice = placer.compact(d, eligible)
+    if choice is not None:
+        s_c, r_c = choice
+        t_c = time_on(r_c)
+        if accept_compact(s_c, start, lower_bound) or accept_compact(s_c + t_c, start + time_on(ring), lower_bound):
+            return s_c, r_c, t_c
+    if topo.ring_nodes(ring) > topo.min_nodes(d) + 1:
+        choice = placer.on_nodes(d, topo.min_nodes(d) + 1, eligible)
+        if choice is not None:
+            return choice[0], choice[1], time_on(choice[1])
+    return start, ring, time_on(ring)
 
 
 class _Holes:
@@ -287,8 +310,10 @@ class _Holes:
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
                num_buckets: int) -> list[Placement]:
     """Rings aligned by count groups (widest first), then runs of single-rank units."""
-    load = [0.0] * n
-    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, load)
+    placer = RingPlacer(ctx.nodes, n)
+    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer,
+                                      lower_bound=sum(u.work for u in units) / n)
+    load = placer.loads.tolist()
     singles = [u for u in units if u.ring_size == 1]
     placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
     return placements
@@ -317,14 +342,17 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
     return best
 
 
-def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, load: list[float]) -> list[Placement]:
+def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer, *,
+                         lower_bound: float) -> list[Placement]:
+    """Each ring (widest first) on the least-loaded ranks of the count group that frees them
+    first, compacted onto the fewest nodes inside that group as in :func:`dp_balance`."""
+    load = placer.loads
     n = len(load)
     groups: dict[int, set[int]] = {0: set(range(n))}
     count = [0] * n
     placements: list[Placement] = []
-    cm = ctx.cost_model
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
-        best: tuple[tuple[float, int], list[int]] | None = None
+        best: tuple[tuple[float, int], list[int], int] | None = None
         for c in sorted(groups):
             g = groups[c]
             if len(g) < u.ring_size:
@@ -332,11 +360,12 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, load: list[flo
             members = heapq.nsmallest(u.ring_size, g, key=lambda r: (load[r], r))
             score = (max(load[r] for r in members), c)
             if best is None or score < best[0]:
-                best = (score, members)
+                best = (score, members, c)
         if best is None:
             raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
-        ring = tuple(sorted(best[1]))
-        t = ctx.unit_time(u.lengths, u.ring_size, u.offload_ratio, intra_node=cm.ring_is_intra_node(ring))
+        eligible = np.zeros(n, dtype=bool)
+        eligible[list(groups[best[2]])] = True
+        _, ring, t = _place_ring(u, best[1], placer, ctx, lower_bound, eligible)
         for r in ring:
             c = count[r]
             groups[c].discard(r)
@@ -345,6 +374,7 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, load: list[flo
             count[r] = c + 1
             groups.setdefault(c + 1, set()).add(r)
             load[r] += t
+        placer.touch(ring)
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
 

@@ -1,0 +1,177 @@
+"""Topology-aware ring placement: which ranks a ring takes, given every rank's load.
+
+Load-only list scheduling gives a ring of D ranks the D least-loaded ranks wherever they are.
+On a real cluster that makes rings that would fit in one node straddle two, and spreads long
+rings over more nodes than they need, so their bytes cross the network (nine times slower
+than NVLink in the H100 preset) for nothing. :class:`RingPlacer` offers, next to the
+load-only choice, the *compact* one:
+
+* a ring of at most ``ranks_per_node`` ranks on the D least-loaded ranks of one node (the node
+  where they are free first);
+* a longer ring on the fewest nodes: whole nodes (the ones free first) plus the least-loaded
+  ranks of one more node for the remainder;
+
+and, if the scheduler rejects the compact choice as too late, the earliest choice on one node
+more than the minimum (found by bisection on the start time). Members always come back in
+node-contiguous order (one network link per node boundary of the ring cycle). The scheduler
+decides with its own clock; :func:`accept_compact` is the rule the balance scheduler uses.
+
+Costs: one ``numpy`` sort of the ``nodes x ranks_per_node`` load matrix per ring that the
+load-only choice would not already put on its fewest nodes (about 40 us at 16,384 ranks).
+Deterministic: ties go to the lower node id, then the lower rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from ..topology import Topology
+
+#: How much later than the load-only choice a compact ring may finish, as a fraction of the
+#: step's lower bound (total work / ranks). A delay this small costs at most that fraction of
+#: the members' time, and the gap is usually backfilled with short packs; measured in
+#: docs/benchmarks.md ("topology" section), where balance stays within 1 % of the load-only plan.
+COMPACT_SLACK = 0.01
+
+
+class RingPlacer:
+    """Rank loads viewed node by node, for choosing ring members.
+
+    ``loads`` is the scheduler's load array: it sets loads through :meth:`set_loads` (or writes
+    ``loads`` and calls :meth:`touch`) so the placer can keep every node's loads sorted and
+    re-sort only the nodes that changed since the last ring.
+    """
+
+    def __init__(self, topology: Topology, hdp_size: int) -> None:
+        self.topology = topology
+        self.n = hdp_size
+        nodes = topology.nodes(hdp_size)
+        # one extra slot holds +inf: the padding of short nodes points at it
+        self._ext = np.zeros(hdp_size + 1)
+        self._ext[hdp_size] = np.inf
+        self.loads = self._ext[:hdp_size]
+        labels, row_of_rank, counts = np.unique(nodes, return_inverse=True, return_counts=True)
+        self.width = int(counts.max()) if len(counts) else 1
+        order = np.lexsort((np.arange(hdp_size), nodes))  # by node, then rank
+        idx = np.full((len(labels), self.width), hdp_size, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        for k, (a, c) in enumerate(zip(starts.tolist(), counts.tolist())):
+            idx[k, :c] = order[a:a + c]
+        self._idx = idx
+        self._row_of = row_of_rank.reshape(-1).tolist()
+        self._sizes = counts.astype(np.int64)
+        # per node: positions (into the node's row) by load then rank, and the sorted loads
+        self._order = np.tile(np.arange(self.width), (len(labels), 1))
+        self._sorted = self._ext[idx]
+        self._dirty: set[int] = set()
+
+    # ------------------------------------------------------------------ loads
+    def set_loads(self, ranks: Sequence[int], value: float) -> None:
+        """``loads[r] = value`` for every rank in ``ranks``."""
+        self.loads[list(ranks)] = value
+        self.touch(ranks)
+
+    def touch(self, ranks: Sequence[int]) -> None:
+        """Note that the loads of ``ranks`` changed."""
+        row_of = self._row_of
+        for r in ranks:
+            self._dirty.add(row_of[r])
+
+    def _sorted_view(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._dirty:
+            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            self._dirty.clear()
+            m = self._ext[self._idx[rows]]
+            order = np.argsort(m, axis=1, kind="stable")  # by load, then rank (rows hold ranks ascending)
+            self._order[rows] = order
+            self._sorted[rows] = np.take_along_axis(m, order, axis=1)
+        return self._sorted, self._order
+
+    def _masked(self, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ok = np.append(eligible, False)[self._idx]
+        m = np.where(ok, self._ext[self._idx], np.inf)
+        order = np.argsort(m, axis=1, kind="stable")
+        return m, np.take_along_axis(m, order, axis=1), order
+
+    def spans_min_nodes(self, ring: Sequence[int]) -> bool:
+        """Whether ``ring`` already sits on the fewest nodes its size allows."""
+        return self.topology.ring_nodes(ring) <= self.topology.min_nodes(len(ring))
+
+    # ------------------------------------------------------------------ choices
+    def compact(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """``(start, members)`` of a ring of ``d`` on the fewest nodes (see the module docstring);
+        None if no such choice exists (not enough eligible ranks)."""
+        if eligible is None:
+            srt, order = self._sorted_view()
+        else:
+            _, srt, order = self._masked(eligible)
+        g = self.width
+        if d <= g:
+            col = srt[:, d - 1]
+            k = int(np.argmin(col))
+            if not math.isfinite(col[k]):
+                return None
+            return self._result(self._idx[k, order[k, :d]])
+        whole, rest = divmod(d, g)
+        full = srt[np.arange(len(srt)), self._sizes - 1]
+        full = np.where(self._sizes == g, full, np.inf)  # whole nodes of the full width only
+        picks = np.argsort(full, kind="stable")[:whole]
+        if len(picks) < whole or not math.isfinite(full[picks[-1]]):
+            return None
+        members = [self._idx[k, :g] for k in picks.tolist()]
+        if rest:
+            col = srt[:, rest - 1].copy()
+            col[picks] = np.inf
+            k = int(np.argmin(col))
+            if not math.isfinite(col[k]):
+                return None
+            members.append(self._idx[k, order[k, :rest]])
+        return self._result(np.concatenate(members))
+
+    def on_nodes(self, d: int, num_nodes: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """``(start, members)``: the earliest start of a ring of ``d`` on at most ``num_nodes``
+        nodes (exact: bisection over the candidate start times), or None."""
+        if eligible is None:
+            srt, order = self._sorted_view()
+        else:
+            _, srt, order = self._masked(eligible)
+        cand = np.unique(srt[:, : min(d, self.width)])
+        cand = cand[np.isfinite(cand)]
+        k_nodes = min(num_nodes, len(srt))
+
+        def fits(s: float) -> bool:
+            counts = (srt <= s).sum(axis=1)
+            top = counts if k_nodes >= len(counts) else np.partition(counts, len(counts) - k_nodes)[-k_nodes:]
+            return int(top.sum()) >= d
+
+        if not len(cand) or not fits(float(cand[-1])):
+            return None
+        lo, hi = 0, len(cand) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(float(cand[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        counts = (srt <= float(cand[lo])).sum(axis=1)
+        chosen, total = [], 0
+        for k in np.argsort(-counts, kind="stable").tolist():  # fullest nodes first, then node id
+            if total >= d:
+                break
+            take = min(int(counts[k]), d - total)
+            chosen.append(self._idx[k, order[k, :take]])
+            total += take
+        return self._result(np.concatenate(chosen))
+
+    def _result(self, members: np.ndarray) -> tuple[float, tuple[int, ...]]:
+        """``(start, ring)``: the ring starts when its last member is free."""
+        return float(self.loads[members].max()), self.topology.node_contiguous(members.tolist())
+
+
+def accept_compact(compact_end: float, load_only_end: float, lower_bound: float) -> bool:
+    """The balance scheduler's rule: take the compact ring unless it finishes more than
+    :data:`COMPACT_SLACK` of the step's lower bound after the load-only one."""
+    return compact_end <= load_only_end + COMPACT_SLACK * lower_bound

@@ -1,0 +1,149 @@
+"""What a training step costs besides its micro-batches: gradient reduction, optimizer, data wait.
+
+The planner's estimate (:mod:`megatron_bytescale.planner.estimate`) times the micro-batch
+phase of a step: every rank's micro-batches, ring communication, offload, pipeline bubbles.
+A real step then reduces gradients over the HDP group, steps the optimizer, and, unless the
+next plan was prepared during the previous step, waits for its data and its plan. These terms
+are the same kind of arithmetic as the cost model's, built from the same links:
+
+* **Gradient reduction** over the HDP group of one (TP rank, PP stage), a ring collective
+  (``2 (N - 1)`` steps):
+
+  - all-reduce (plain DDP): every rank sends ``2 (N - 1) / N`` of its gradient bytes;
+  - ZeRO-1 (Megatron's distributed optimizer, paper §3.5): a reduce-scatter of the gradients
+    and an all-gather of the updated parameters, ``(N - 1) / N`` of each.
+
+  The rate is the cost model's NVLink rate when the whole HDP group sits in one node, else
+  its network rate, plus ``p2p_latency_s`` per ring step. It starts when the slowest rank
+  has finished its micro-batches and is not overlapped with backward (Megatron without
+  ``--overlap-grad-reduce``; with HDP the last bucket cannot start before the slowest rank
+  anyway).
+* **Optimizer**: ``optimizer_s_per_param`` seconds per parameter this rank updates (all of
+  them, or 1/N of them under ZeRO-1). Adam reads and writes about 30 bytes per parameter
+  (fp32 master weight, two moments and gradient; bf16 weight), memory-bound.
+* **Data and plan wait**: ``load_s`` (reading and preparing the next global batch) plus the
+  time to plan it. Without lookahead both are on the critical path; with lookahead (the plan
+  of step t + 1 is made while step t trains, paper §6 "remote dataloader with CPU prefetch")
+  only the part longer than the step itself is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..planner.cost_model import CostModel
+
+#: H100 SXM HBM3, 3.35 TB/s (datasheet); Adam moves ~30 bytes per parameter (fp32 master
+#: weight, exp_avg, exp_avg_sq read and written, fp32 gradient read, bf16 weight written).
+ADAM_BYTES_PER_PARAM = 30.0
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_OPTIMIZER_S_PER_PARAM = ADAM_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOverheads:
+    """The step-level terms of a simulated training step (see the module docstring)."""
+
+    params_per_rank: float = 0.0
+    """Parameters one HDP rank holds and reduces: its TP shard of its (largest) PP stage.
+    0 leaves the gradient reduction and the optimizer out."""
+    grad_bytes_per_param: float = 4.0
+    """Bytes per gradient element in the reduction (4: fp32, Megatron's
+    ``--accumulate-allreduce-grads-in-fp32``; 2 for bf16 reductions)."""
+    param_bytes_per_param: float = 2.0
+    """Bytes per parameter all-gathered after a ZeRO-1 step (bf16 weights)."""
+    distributed_optimizer: bool = True
+    """ZeRO-1 over the HDP group (reduce-scatter + all-gather, optimizer on 1/N of the
+    parameters), as the paper runs; False: all-reduce and a full optimizer step per rank."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds per parameter of one optimizer update (see :data:`H100_OPTIMIZER_S_PER_PARAM`)."""
+    load_s: float = 0.0
+    """Seconds per step to read and prepare the next global batch, planning excluded."""
+    plan_s: float | None = None
+    """Seconds to plan a step; None: the simulator's measured planning time of that plan."""
+
+    def __post_init__(self) -> None:
+        for name in ("params_per_rank", "grad_bytes_per_param", "param_bytes_per_param",
+                     "optimizer_s_per_param", "load_s"):
+            _check_nonnegative(name, getattr(self, name))
+        if self.plan_s is not None:
+            _check_nonnegative("plan_s", self.plan_s)
+
+    def grad_reduce_s(self, hdp_size: int, cost_model: CostModel, *, one_node: bool | None = None) -> float:
+        """Seconds of the gradient reduction over ``hdp_size`` ranks (0 for one rank).
+
+        ``one_node``: whether the whole HDP group shares a node (default: ``hdp_size <=
+        cost_model.ranks_per_node``), which picks the NVLink or the network rate.
+        """
+        n = int(hdp_size)
+        if n <= 1 or self.params_per_rank <= 0:
+            return 0.0
+        if one_node is None:
+            one_node = n <= cost_model.ranks_per_node
+        bandwidth = cost_model.p2p_bandwidth_intra if one_node else cost_model.p2p_bandwidth_inter
+        share = (n - 1) / n
+        if self.distributed_optimizer:
+            volume = share * self.params_per_rank * (self.grad_bytes_per_param + self.param_bytes_per_param)
+        else:
+            volume = 2.0 * share * self.params_per_rank * self.grad_bytes_per_param
+        return volume / bandwidth + 2 * (n - 1) * cost_model.p2p_latency_s
+
+    def optimizer_s(self, hdp_size: int) -> float:
+        """Seconds of one optimizer step on one rank."""
+        shards = max(1, int(hdp_size)) if self.distributed_optimizer else 1
+        return self.params_per_rank / shards * self.optimizer_s_per_param
+
+    def data_wait_s(self, plan_s: float, busy_step_s: float, *, lookahead: bool) -> float:
+        """Seconds the step waits for its data and plan: all of ``load_s + plan_s`` without
+        lookahead, only what exceeds the step they hide behind (``busy_step_s``) with it."""
+        wait = self.load_s + plan_s
+        return max(0.0, wait - busy_step_s) if lookahead else wait
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} ({value!r}) must be a finite number >= 0")
+
+
+def parameter_count(model: Any) -> dict[str, float]:
+    """Parameters of a :class:`~megatron_bytescale.planner.presets.ModelSpec`, before TP/PP splits.
+
+    ``per_layer``: QKV and output projections, the SwiGLU MLP (every expert for MoE: experts
+    live on the rank without expert parallelism) plus the router, two RMSNorms;
+    ``embedding`` and ``lm_head``: ``vocab x hidden`` each (untied, as LLaMA/Mistral);
+    ``total``.
+    """
+    h = float(model.hidden_size)
+    kv = float(model.kv_dim)
+    attention = h * (h + 2.0 * kv) + h * h
+    mlp = model.num_experts * 3.0 * h * model.ffn_hidden_size
+    router = h * model.num_experts if model.num_experts > 1 else 0.0
+    per_layer = attention + mlp + router + 2.0 * h
+    embedding = float(model.vocab_size) * h
+    return {
+        "per_layer": per_layer,
+        "embedding": embedding,
+        "lm_head": embedding,
+        "total": per_layer * model.num_layers + 2.0 * embedding,
+    }
+
+
+def params_per_rank(model: Any, *, tensor_parallel_size: int, pp_size: int) -> float:
+    """Parameters on one GPU of the largest PP stage (its layers plus the embedding or the LM
+    head; both when PP = 1), split over TP."""
+    counts = parameter_count(model)
+    layers = model.num_layers / pp_size
+    ends = 2.0 if pp_size == 1 else 1.0
+    return (counts["per_layer"] * layers + ends * counts["embedding"]) / tensor_parallel_size
+
+
+def preset_overheads(model: Any, *, tensor_parallel_size: int, pp_size: int, **changes: Any) -> StepOverheads:
+    """:class:`StepOverheads` of a preset model on H100-class GPUs (ZeRO-1, fp32 reduction)."""
+    values: dict[str, Any] = dict(
+        params_per_rank=params_per_rank(model, tensor_parallel_size=tensor_parallel_size, pp_size=pp_size),
+        optimizer_s_per_param=H100_OPTIMIZER_S_PER_PARAM,
+    )
+    values.update(changes)
+    return StepOverheads(**values)

@@ -1,0 +1,211 @@
+"""Per-rank bodies of the TP / PP tests under HDP (4 gloo processes = 2 x 2).
+
+Each test module runs ONE spawn. Inside it, Megatron is first initialised with TP = PP = 1 so
+that rank 0 can compute the reference: ONE process running megatron's own local GPT (TP 1,
+``DotProductAttention``, RoPE at positions 0..L-1) on every sequence of the global batch alone,
+summing token losses and dividing by the global number of loss tokens (``hdp_cases``). Then
+Megatron is re-initialised with the layout under test, the same weights are cut into this
+rank's TP shard and pipeline stage, one HDP step runs, and each rank compares its reduced
+gradients (``main_grad`` right before the optimizer step) with the matching slice of the
+reference: relative error = max|HDP - reference| / max|reference| per parameter, fp32.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .hdp_cases import (
+    CONTEXT,
+    VOCAB,
+    bytescale_config,
+    cost_model,
+    grab_grads_before_step,
+    reference_loss_and_grads,
+    relative_error,
+    transformer_config,
+)
+
+# on 2 HDP ranks: lengths above the capacity get rings of 2; the rest are packed on one rank
+CAPACITY = 80
+TP_LENGTHS = [150, 100, 40, 31, 20, 13, 60, 45, 90, 25, 71, 33]
+
+
+def two_rank_config(**changes: Any):
+    """The HDP config of these tests: capacity 80, context 160 (= 2 ranks' capacity)."""
+    return bytescale_config(capacity=CAPACITY, context_length=2 * CAPACITY, **changes)
+
+
+def reference_phase(sequences, *, share_embeddings: bool = False) -> dict[str, Any]:
+    """Megatron at TP = PP = 1: initial weights (same on every rank) and rank 0's reference.
+
+    Returns ``{"state", "loss", "grads"}`` on every rank (broadcast from rank 0).
+    """
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.integration.training import build_gpt_model, seed_model_parallel
+
+    parallel_state.initialize_model_parallel()
+    seed_model_parallel(1234)
+    config = transformer_config()
+    model_kwargs = dict(share_embeddings_and_output_weights=share_embeddings)
+    state = build_gpt_model(
+        config, vocab_size=VOCAB, max_sequence_length=CONTEXT, **model_kwargs
+    ).state_dict()
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        loss, grads = reference_loss_and_grads(config, state, sequences, **model_kwargs)
+        payload[0] = {"state": state, "loss": loss, "grads": grads}
+    dist.broadcast_object_list(payload, src=0)
+    parallel_state.destroy_model_parallel()
+    return payload[0]
+
+
+def switch_layout(**layout: Any):
+    """Re-initialise Megatron (and the HDP group manager) with another TP / PP layout."""
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.integration.groups import (
+        initialize_hdp_model_parallel,
+        set_hdp_manager,
+    )
+    from megatron_bytescale.integration.training import seed_model_parallel
+
+    set_hdp_manager(None)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    manager = initialize_hdp_model_parallel(**layout)
+    seed_model_parallel(1234)
+    return manager
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def reference_name(model, name: str, full: dict[str, torch.Tensor]) -> str:
+    """The TP-1 / PP-1 name of parameter ``name`` of this stage's model.
+
+    Layers are numbered per stage; the LM head of a last stage with tied embeddings is the
+    reference's word embedding.
+    """
+    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    match = _LAYER.match(name)
+    if match:
+        name = f"decoder.layers.{int(match.group(1)) + offset}." + name[match.end():]
+    if name not in full and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+def shard(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slice of a full (TP 1) tensor, as Megatron splits ``param``."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return full.chunk(tp, dim=param.partition_dim)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def load_reference_weights(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy the TP-1 / PP-1 weights into this rank's shard of this stage's model."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = shard(param, state[reference_name(model, name, state)])
+            if value.shape != param.shape:
+                raise AssertionError(f"{name}: reference slice {tuple(value.shape)} vs "
+                                     f"{tuple(param.shape)}")
+            param.copy_(value)
+
+
+def gradient_errors(model, grads: dict[str, torch.Tensor], reference) -> dict[str, float]:
+    """Relative error of every reduced gradient against the matching reference slice."""
+    out = {}
+    for name, param in model.named_parameters():
+        ref = shard(param, reference["grads"][reference_name(model, name, reference["grads"])])
+        out[name] = relative_error(grads[name], ref)
+    return out
+
+
+def hdp_step(config, reference, sequences, *, scheduler: str, manager, pp_size: int = 1):
+    """One HDP step of a fresh model with the reference weights; its record and errors."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.schedule import run_hdp_step
+    from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
+
+    model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT,
+                            share_embeddings_and_output_weights=pp_size > 1)
+    load_reference_weights(model, reference["state"])
+    ddp, optimizer = wrap_for_hdp(model, lr=1e-3)
+    planner = make_step_planner(two_rank_config(scheduler=scheduler), hdp_size=manager.size,
+                                cost_model=cost_model())
+    step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
+    grads = grab_grads_before_step(ddp, optimizer)
+    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    return step, record, gradient_errors(ddp.module, grads, reference)
+
+
+# ----------------------------------------------------------------------------- TP 2 x HDP 2
+
+
+def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
+    """TP 2 x HDP 2: gradients equal the TP-1 reference with and without sequence parallelism."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator, PlanMismatchError
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.training import make_transformer_config
+    from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    rng = np.random.default_rng(11)
+    sequences = [rng.integers(0, VOCAB, n).tolist() for n in TP_LENGTHS]
+    reference = reference_phase(sequences)
+    out: dict[str, Any] = {"rank": rank, "reference_loss": reference["loss"]}
+
+    manager = switch_layout(tensor_model_parallel_size=2)
+    rank_map = manager.rank_map
+    out["map"] = dict(hdp=rank_map.hdp_rank, tp=rank_map.tp_rank, pp=rank_map.pp_rank,
+                      hdp_ranks=rank_map.hdp_global_ranks, tp_ranks=rank_map.tp_global_ranks)
+    out["runs"] = {}
+    for name, sequence_parallel, scheduler in (
+        ("tp", False, "balance"),
+        ("tp+sp", True, "balance"),
+        ("tp+sp static", True, "static"),
+    ):
+        base = transformer_config()
+        config = make_transformer_config(
+            num_layers=base.num_layers, hidden_size=base.hidden_size,
+            num_attention_heads=base.num_attention_heads,
+            num_query_groups=base.num_query_groups, ffn_hidden_size=base.ffn_hidden_size,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
+        step, record, errors = hdp_step(config, reference, sequences, scheduler=scheduler,
+                                        manager=manager)
+        out["runs"][name] = {
+            "tp_size": config.tensor_model_parallel_size,
+            "sequence_parallel": config.sequence_parallel,
+            "ring_sizes": sorted(set(step.plan.ring_sizes())),
+            "micro_batch_counts": step.plan.micro_batch_counts(),
+            "odd_micro_batches": sum(mb.num_tokens % 2 for mb in step.micro_batches),
+            "loss_sum": record.loss_sum,
+            "global_loss_tokens": record.global_loss_tokens,
+            "plan_hash": step.plan_hash,
+            "grad_errors": errors,
+        }
+
+    # every rank checks the plan hash across the world: a TP rank that plans differently from
+    # its replica partner (a different HDP group) is caught on every rank
+    skewed = make_step_planner(
+        two_rank_config(align=2 if rank_map.tp_rank == 1 else 1),
+        hdp_size=manager.size, cost_model=cost_model(),
+    )  # fmt: skip
+    try:
+        next(HDPDataIterator([sequences], planner=skewed, hdp=manager.hdp))
+        out["mismatch"] = None
+    except PlanMismatchError as exc:
+        out["mismatch"] = str(exc)
+    return out
