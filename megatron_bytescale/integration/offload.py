@@ -36,10 +36,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def activation_offloader(model: torch.nn.Module, **options: Any) -> ActivationOffloader:
     """The offloader of ``model`` (created on first use with ``options``, then reused).
 
-    Parameters of the whole model are excluded from offload, not only the layers'.
+    Parameters of the whole model are excluded from offload, not only the layers'. With
+    sequence parallelism the offloader also knows the per-TP-rank token rows.
     """
     offloader = _OFFLOADERS.get(model)
     if offloader is None:
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "sequence_parallel", False):
+            options.setdefault("sequence_parallel_size", int(config.tensor_model_parallel_size))
         offloader = ActivationOffloader(decoder_layers(model), params_of=[model], **options)
         _OFFLOADERS[model] = offloader
     return offloader

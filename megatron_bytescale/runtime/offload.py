@@ -109,6 +109,8 @@ class ActivationOffloader:
         min_tensor_bytes: smaller saved tensors stay resident (one copy is not worth it).
         device: the compute device (default: the device of the layers' first parameter).
         params_of: modules whose parameters must never be offloaded (default: ``layers``).
+        sequence_parallel_size: with Megatron's sequence parallelism the layernorm / dropout
+            regions hold ``num_tokens / tp`` rows per TP rank: those are token dimensions too.
         stream_ops: the stream primitives (default: CUDA's on a CUDA device, else the
             synchronous host stand-ins); tests inject recording ones.
     """
@@ -122,6 +124,7 @@ class ActivationOffloader:
         device: torch.device | str | None = None,
         params_of: Iterable[torch.nn.Module] | None = None,
         stream_ops: StreamOps | None = None,
+        sequence_parallel_size: int = 1,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -130,6 +133,9 @@ class ActivationOffloader:
             raise ValueError(f"keep_resident_layers ({keep_resident_layers}) must be >= 0")
         if min_tensor_bytes < 0:
             raise ValueError(f"min_tensor_bytes ({min_tensor_bytes}) must be >= 0")
+        if sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size ({sequence_parallel_size}) must be >= 1")
+        self.sequence_parallel_size = int(sequence_parallel_size)
         self.num_layers = len(layers)
         self.keep_resident_layers = int(keep_resident_layers)
         self.min_tensor_bytes = int(min_tensor_bytes)
@@ -165,7 +171,8 @@ class ActivationOffloader:
         """A context for the forward of one micro-batch that offloads ``offload_ratio`` of it.
 
         ``num_tokens`` is the micro-batch's local token count (rows of its ``[s, b, h]``
-        activations); without it every tensor is offloaded whole.
+        activations; with sequence parallelism also ``num_tokens / sequence_parallel_size``
+        rows are a token dimension); without it every tensor is offloaded whole.
         """
         ratio = float(offload_ratio)
         if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
@@ -266,6 +273,9 @@ class MicroBatchOffload:
         self.owner = owner
         self.ratio = ratio
         self.num_tokens = num_tokens
+        sp = owner.sequence_parallel_size
+        self._token_sizes = () if not num_tokens else (
+            (num_tokens,) if sp == 1 or num_tokens % sp else (num_tokens, num_tokens // sp))
         self.counters = counters
         self._layers: dict[int, list[weakref.ref]] = defaultdict(list)
         self._backward_layers: set[int] = set()
@@ -321,7 +331,7 @@ class MicroBatchOffload:
         storage = tensor.untyped_storage().data_ptr()
         if storage in self._params or storage in self._resident_storages:
             return None
-        dim = _token_dim(tensor, self.num_tokens)
+        dim = _token_dim(tensor, self._token_sizes)
         if dim is not None:
             rows = min(tensor.shape[dim], math.ceil(self.ratio * tensor.shape[dim] - 1e-9))
             return (dim, rows) if rows > 0 else None
@@ -354,20 +364,21 @@ def offload_micro_batch(offloader: ActivationOffloader | None, micro_batch: Any)
     """The context a schedule enters around the **forward** of one planned micro-batch.
 
     ``micro_batch`` is a :class:`~.layout.MicroBatchTensors` (its plan ``offload_ratio`` and its
-    token count). Returns a no-op without an offloader or when autograd records nothing (an
+    token count, padded to a multiple of the offloader's ``sequence_parallel_size`` as the
+    model pads it). Returns a no-op without an offloader or when autograd records nothing (an
     evaluation forward). Backward may run later, outside the context (pipeline schedules).
     """
     if offloader is None or not torch.is_grad_enabled():
         return contextlib.nullcontext()
-    return offloader.micro_batch(micro_batch.offload_ratio, num_tokens=int(micro_batch.tokens.numel()))
+    sp = offloader.sequence_parallel_size
+    rows = -(-int(micro_batch.tokens.numel()) // sp) * sp
+    return offloader.micro_batch(micro_batch.offload_ratio, num_tokens=rows)
 
 
-def _token_dim(tensor: torch.Tensor, num_tokens: int | None) -> int | None:
-    """The token dimension: 0 if it has ``num_tokens`` rows, else the first such dimension."""
-    if not num_tokens:
-        return None
+def _token_dim(tensor: torch.Tensor, token_sizes: tuple[int, ...]) -> int | None:
+    """The token dimension: the first dimension (0 in ``[s, b, h]``) of one of ``token_sizes``."""
     for dim, size in enumerate(tensor.shape):
-        if size == num_tokens:
+        if size in token_sizes:
             return dim
     return None
 
