@@ -28,6 +28,7 @@ FLAG_PREFIX = "bytescale"
 SchedulerName = Literal["naive", "balance", "static", "pow2"]
 PlanMode = Literal["every_rank", "rank0_broadcast"]
 AttentionBackend = Literal["auto", "torch", "math", "flash_attn", "te"]
+DkvWire = Literal["accumulator", "input"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
 
 
@@ -79,10 +80,19 @@ class ByteScaleConfig:
     it out of the step, 'truncate' keeps its first tokens."""
 
     attention_backend: AttentionBackend = "auto"
-    """Kernel under the dynamic-ring attention: 'torch' (PyTorch's fused kernels, runs on CPU),
-    'math' (tiled fp32 matmuls, any device), 'flash_attn' (GPU, needs flash-attn), 'te'
-    (GPU, needs Transformer Engine), 'auto' (flash_attn or te on CUDA with fp16/bf16 when
-    installed, otherwise torch)."""
+    """Kernel under the dynamic-ring attention: 'torch' (PyTorch's own kernels, no extra
+    package: FlashAttention-2 varlen on CUDA for fp16/bf16, head dim a multiple of 8 up to 256,
+    sm80+; the CPU flash kernels on CPU), 'math' (tiled fp32 matmuls, any device, 10-50x slower
+    on a GPU), 'flash_attn' (CUDA, needs flash-attn), 'te' (CUDA, needs Transformer Engine),
+    'auto' (on CUDA the first of te, flash_attn, torch that is installed and runs the dtype and
+    head dim, else math with a warning saying why; torch on CPU)."""
+
+    dkv_wire_dtype: DkvWire = "accumulator"
+    """Dtype of the dK/dV accumulators that travel around a ring in the backward:
+    'accumulator' (float32: exact partial sums; with bf16 K/V the backward then sends 3x the
+    forward's bytes) or 'input' (the K/V dtype: bf16 halves those bytes; each hop adds in fp32
+    and rounds once for the wire, the owner accumulates in fp32). docs/benchmarks.md gives the
+    measured error of both."""
 
     plan_prefetch: int = 1
     """Global batches read and planned ahead on a background thread while the current step
@@ -130,7 +140,7 @@ class ByteScaleConfig:
                 f"{flag_name('ranks_per_node')} ({self.ranks_per_node}) must be >= 1 (processes "
                 "per node)"
             )
-        for name in ("scheduler", "plan_mode", "attention_backend", "overlong"):
+        for name in ("scheduler", "plan_mode", "attention_backend", "overlong", "dkv_wire_dtype"):
             value = getattr(self, name)
             choices = _choices(_field_types()[name])
             if value not in choices:

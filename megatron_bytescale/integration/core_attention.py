@@ -129,6 +129,7 @@ class ByteScaleCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             backend=manager.attention_backend,
             counters=manager.counters,
+            dkv_wire=manager.dkv_wire,
         )
         out = out_TNH.reshape(rows, 1, -1)
         return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail)) if tail else out

@@ -278,6 +278,7 @@ class HDPGroupManager:
     Args:
         hdp: the runtime's ``HDPGroup`` over Megatron's data-parallel group.
         attention_backend: passed to ``runtime.ring_attention`` (None lets it choose).
+        dkv_wire: dtype of the dK/dV accumulators on the ring (``runtime.dkv_wire_dtype``).
         rank_map: where this process sits in Megatron's TP / PP layout (None: TP = PP = 1,
             the HDP group is all there is).
     """
@@ -287,10 +288,12 @@ class HDPGroupManager:
         hdp: "HDPGroup",
         *,
         attention_backend: Optional[str] = None,
+        dkv_wire: str = "accumulator",
         rank_map: Optional[HDPRankMap] = None,
     ) -> None:
         self.hdp = hdp
         self.attention_backend = attention_backend
+        self.dkv_wire = dkv_wire
         if rank_map is not None and rank_map.hdp_rank != hdp.rank:
             raise ValueError(
                 f"the rank map says HDP rank {rank_map.hdp_rank}, the HDP group {hdp.rank}"
@@ -300,7 +303,9 @@ class HDPGroupManager:
         self._counters: "CommCounters | None" = None
 
     @classmethod
-    def from_megatron(cls, *, attention_backend: Optional[str] = None) -> "HDPGroupManager":
+    def from_megatron(
+        cls, *, attention_backend: Optional[str] = None, dkv_wire: str = "accumulator"
+    ) -> "HDPGroupManager":
         """Wrap Megatron's (already initialised) data-parallel group as the HDP group.
 
         Reads the TP / PP layout from Megatron's groups (:class:`HDPRankMap`) and checks it
@@ -319,7 +324,10 @@ class HDPGroupManager:
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         rank_map = HDPRankMap.from_megatron()
         rank_map.verify()
-        return cls(HDPGroup(group), attention_backend=attention_backend, rank_map=rank_map)
+        return cls(
+            HDPGroup(group), attention_backend=attention_backend, dkv_wire=dkv_wire,
+            rank_map=rank_map,
+        )  # fmt: skip
 
     @property
     def tp_size(self) -> int:
@@ -402,6 +410,7 @@ def initialize_hdp_model_parallel(
     context_parallel_size: int = 1,
     hybrid_context_parallel: bool = False,
     attention_backend: Optional[str] = None,
+    dkv_wire: str = "accumulator",
     **megatron_kwargs: Any,
 ) -> HDPGroupManager:
     """Initialise Megatron for HDP (CP = 1, DP = d_hdp) and install the HDP group manager.
@@ -437,7 +446,7 @@ def initialize_hdp_model_parallel(
             hybrid_context_parallel=False,
             **megatron_kwargs,
         )
-    manager = HDPGroupManager.from_megatron(attention_backend=attention_backend)
+    manager = HDPGroupManager.from_megatron(attention_backend=attention_backend, dkv_wire=dkv_wire)
     found = (manager.size, manager.tp_size, manager.pp_size)
     wanted = (layout.hdp_size, tensor_model_parallel_size, pipeline_model_parallel_size)
     if found != wanted:

@@ -32,10 +32,12 @@ def hdp_manager(args: Any) -> HDPGroupManager:
 
     with contextlib.suppress(RuntimeError):
         return get_hdp_manager()
+    config = ByteScaleConfig.from_args(args)
     return initialize_hdp_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        attention_backend=ByteScaleConfig.from_args(args).ring_attention_backend,
+        attention_backend=config.ring_attention_backend,
+        dkv_wire=config.dkv_wire_dtype,
     )
 
 

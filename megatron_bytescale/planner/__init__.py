@@ -16,7 +16,16 @@ from .plan import (
     build_ring_micro_batches,
     resident_tokens,
 )
-from .zigzag import zigzag_chunk, zigzag_part_ids, zigzag_parts, zigzag_share
+from .zigzag import (
+    even_zigzag_split,
+    padded_part_size,
+    zigzag_chunk,
+    zigzag_part_ids,
+    zigzag_parts,
+    zigzag_share,
+    zigzag_split,
+    zigzag_split_from_shares,
+)
 
 __all__ = [
     "Estimate",
@@ -28,11 +37,15 @@ __all__ = [
     "Sequence",
     "StepPlan",
     "build_ring_micro_batches",
+    "even_zigzag_split",
+    "padded_part_size",
     "resident_tokens",
     "zigzag_chunk",
     "zigzag_part_ids",
     "zigzag_parts",
     "zigzag_share",
+    "zigzag_split",
+    "zigzag_split_from_shares",
 ]
 
 # --- cost model, Eq. 3, schedulers, estimate, order (issue #2) ---------------------------------

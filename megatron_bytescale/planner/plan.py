@@ -14,6 +14,8 @@ Terms:
     seqs       the sequences the ring carries, in local buffer order (the same on every member).
     pieces     this rank's real tokens of those sequences: the whole sequence on a ring of size
                1, the zigzag share (parts i and 2N-1-i, see :mod:`.zigzag`) on a larger ring.
+               Any contiguous split into 2N parts is valid (the planner cuts parts of
+               ceil(L / 2N) tokens); the runtime pads every part to the largest one.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import json
 import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Mapping
 
-from .zigzag import zigzag_share
+from .zigzag import Span, zigzag_split, zigzag_split_from_shares
 
 PLAN_VERSION = 1
 
@@ -131,6 +134,42 @@ class StepPlan:
             for mb in r.micro_batches:
                 seen.setdefault(mb.order, mb.ring_size)
         return [seen[k] for k in sorted(seen)]
+
+    def zigzag_splits(self) -> Mapping[int, tuple[Span, ...]]:
+        """The parts of every sequence as the plan's pieces state them, by sequence id.
+
+        ``2N`` ranges per sequence on a ring of N (``((0, length),)`` on a ring of size 1), the
+        same on every rank: the runtime sizes and fills its buffers from them. Computed once per
+        plan. Raises :class:`PlanError` if a sequence's pieces are not a contiguous zigzag split
+        (:meth:`validate` reports it with more context).
+        """
+        return self._zigzag_splits
+
+    @cached_property
+    def _zigzag_splits(self) -> dict[int, tuple[Span, ...]]:
+        lengths = self.sequence_lengths()
+        shares: dict[int, dict[int, list[Span]]] = defaultdict(dict)
+        ring_of: dict[int, tuple[int, ...]] = {}
+        for rank_plan in self.ranks:
+            for mb in rank_plan.micro_batches:
+                position = mb.ring.index(rank_plan.rank) if rank_plan.rank in mb.ring else -1
+                for sid in mb.seqs:
+                    ring_of[sid] = mb.ring
+                    shares[sid].setdefault(position, [])
+                for piece in mb.pieces:
+                    shares[piece.seq].setdefault(position, []).append((piece.start, piece.end))
+        splits: dict[int, tuple[Span, ...]] = {}
+        for sid, by_position in shares.items():
+            ring = ring_of.get(sid, ())
+            if sid not in lengths:
+                raise PlanError(f"pieces name unknown sequence {sid}")
+            try:
+                splits[sid] = zigzag_split_from_shares(
+                    lengths[sid], [by_position.get(p, []) for p in range(len(ring))]
+                )
+            except ValueError as exc:
+                raise PlanError(f"sequence {sid} on ring {list(ring)}: {exc}") from None
+        return splits
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self, *, with_estimate: bool = True) -> dict[str, Any]:
@@ -362,8 +401,6 @@ def _validate(plan: StepPlan) -> None:
                 if mb.offload_ratio != poff or mb.seqs != pseqs:
                     raise PlanError(f"{where}: offload ratio or sequences differ between ring members")
                 members[idx] = local
-            position = ring.index(idx)
-            expected: list[Piece] = []
             for sid in mb.seqs:
                 if sid not in lengths:
                     raise PlanError(f"{where}: unknown sequence {sid}")
@@ -372,14 +409,7 @@ def _validate(plan: StepPlan) -> None:
                         f"sequence {sid}: pieces sit in micro-batches of orders "
                         f"{seq_order[sid]} and {mb.order}; one sequence belongs to one ring micro-batch"
                     )
-                for start, end in zigzag_share(lengths[sid], len(ring), position, plan.align):
-                    expected.append(Piece(seq=sid, start=start, end=end))
-            if tuple(expected) != mb.pieces:
-                raise PlanError(
-                    f"{where}: pieces {[(p.seq, p.start, p.end) for p in mb.pieces]} are not the "
-                    f"zigzag share of ring position {position} "
-                    f"{[(p.seq, p.start, p.end) for p in expected]}"
-                )
+            _check_piece_order(mb, where)
             for p in mb.pieces:
                 covered[p.seq].append((p.start, p.end, idx))
             resident = resident_tokens(mb.num_tokens, mb.offload_ratio, plan.layers_per_stage)
@@ -399,6 +429,9 @@ def _validate(plan: StepPlan) -> None:
                 f"at the same local index, got {dict(sorted(members.items()))}"
             )
 
+    for sid in covered:
+        if sid not in lengths:
+            raise PlanError(f"pieces name unknown sequence {sid}")
     for sid, length in lengths.items():
         spans = sorted(covered.get(sid, []))
         pos = 0
@@ -409,9 +442,24 @@ def _validate(plan: StepPlan) -> None:
             pos = end
         if pos != length:
             raise PlanError(f"sequence {sid}: tokens {pos}-{length - 1} are in no piece")
-    for sid in covered:
-        if sid not in lengths:
-            raise PlanError(f"pieces name unknown sequence {sid}")
+    plan.zigzag_splits()  # every token once: now the pieces must be a contiguous zigzag split
+
+
+def _check_piece_order(mb: MicroBatch, where: str) -> None:
+    """Pieces are non-empty, name the micro-batch's sequences, and follow their order."""
+    rank_of = {sid: i for i, sid in enumerate(mb.seqs)}
+    last = -1
+    for p in mb.pieces:
+        if p.seq not in rank_of:
+            raise PlanError(f"{where}: piece of sequence {p.seq}, which is not in seqs {list(mb.seqs)}")
+        if not p.start < p.end:
+            raise PlanError(f"{where}: piece [{p.start}, {p.end}) of sequence {p.seq} is empty")
+        if rank_of[p.seq] < last:
+            raise PlanError(
+                f"{where}: pieces {[(q.seq, q.start, q.end) for q in mb.pieces]} do not follow "
+                f"the order of seqs {list(mb.seqs)}"
+            )
+        last = rank_of[p.seq]
 
 
 def build_ring_micro_batches(
@@ -422,16 +470,27 @@ def build_ring_micro_batches(
     lengths: Mapping[int, int],
     align: int = 1,
     offload_ratio: float = 0.0,
+    splits: Mapping[int, Iterable[Span]] | None = None,
 ) -> dict[int, MicroBatch]:
-    """The micro-batch of every member of ``ring`` carrying ``seqs`` (zigzag shares)."""
+    """The micro-batch of every member of ``ring`` carrying ``seqs`` (zigzag shares).
+
+    ``splits`` states the 2N parts of a sequence (default: the planner's :func:`zigzag_split`).
+    """
     ring_t = tuple(int(r) for r in ring)
     seqs_t = tuple(int(s) for s in seqs)
+    n = len(ring_t)
+    parts = {
+        sid: tuple((splits or {}).get(sid) or zigzag_split(lengths[sid], n, align))
+        for sid in seqs_t
+    }
     out: dict[int, MicroBatch] = {}
     for pos, rank in enumerate(ring_t):
+        held = (pos,) if n == 1 else (pos, 2 * n - 1 - pos)
         pieces = tuple(
-            Piece(seq=sid, start=a, end=b)
+            Piece(seq=sid, start=parts[sid][k][0], end=parts[sid][k][1])
             for sid in seqs_t
-            for a, b in zigzag_share(lengths[sid], len(ring_t), pos, align)
+            for k in held
+            if parts[sid][k][1] > parts[sid][k][0]
         )
         out[rank] = MicroBatch(
             order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces
@@ -461,8 +520,18 @@ class PlanBuilder:
         self.per_rank: list[list[MicroBatch]] = [[] for _ in range(hdp_size)]
         self._next_order = 0
 
-    def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
-        """Append one ring micro-batch to every member's list; returns its order number."""
+    def add(
+        self,
+        ring: Iterable[int],
+        seqs: Iterable[int],
+        offload_ratio: float = 0.0,
+        *,
+        splits: Mapping[int, Iterable[Span]] | None = None,
+    ) -> int:
+        """Append one ring micro-batch to every member's list; returns its order number.
+
+        ``splits`` optionally states a sequence's 2N zigzag parts (any contiguous split).
+        """
         order = self._next_order
         self._next_order += 1
         for rank, mb in build_ring_micro_batches(
@@ -472,6 +541,7 @@ class PlanBuilder:
             lengths=self.lengths,
             align=self.align,
             offload_ratio=offload_ratio,
+            splits=splits,
         ).items():
             self.per_rank[rank].append(mb)
         return order

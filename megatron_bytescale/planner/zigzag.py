@@ -11,9 +11,19 @@ ever attends to one; they are loss-masked and carry exactly zero gradient. ``ali
 kernels that want each part to be a multiple of some tile (TE's THD format wants 2*cp | length).
 
 Pieces in a plan hold real tokens only (a part that is all padding holds no piece).
+
+The planner cuts parts of ``ceil(L / 2N)`` tokens, but nothing downstream depends on that: a plan
+may state ANY contiguous split into 2N parts (an even one, say, with parts of ``L // 2N`` or
+``L // 2N + 1`` tokens). :func:`zigzag_split_from_shares` recovers the 2N parts from what each ring
+position holds, and :func:`padded_part_size` derives the padding from the largest part. Parts
+that hold no token are allowed anywhere; a position then holds one piece or none.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
+
+Span = tuple[int, int]
 
 
 def zigzag_chunk(length: int, ring_size: int, align: int = 1) -> int:
@@ -60,3 +70,92 @@ def zigzag_share(
         if end > start:
             out.append((start, end))
     return out
+
+
+def zigzag_split(length: int, ring_size: int, align: int = 1) -> tuple[Span, ...]:
+    """The planner's own split: :func:`zigzag_parts` as a tuple (``((0, length),)`` for N = 1)."""
+    if ring_size == 1:
+        return ((0, length),)
+    return tuple(zigzag_parts(length, ring_size, align))
+
+
+def even_zigzag_split(length: int, ring_size: int) -> tuple[Span, ...]:
+    """A split into 2N parts as even as possible (the first ``L % 2N`` parts one token longer).
+
+    Not what the planner cuts; a valid alternative that plans from other tools may state.
+    """
+    if ring_size == 1:
+        return ((0, length),)
+    parts, extra = divmod(length, 2 * ring_size)
+    bounds = [0]
+    for k in range(2 * ring_size):
+        bounds.append(bounds[-1] + parts + (1 if k < extra else 0))
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def zigzag_part_owner(part: int, ring_size: int) -> int:
+    """The ring position holding part ``part`` of ``2N``: ``part`` or ``2N-1-part``."""
+    return part if part < ring_size else 2 * ring_size - 1 - part
+
+
+def zigzag_split_from_shares(length: int, shares: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
+    """The 2N contiguous parts of a sequence, recovered from what each ring position holds.
+
+    Args:
+        length: tokens of the sequence.
+        shares: for every ring position ``p`` (N of them), its non-empty real-token ranges in
+            local order: part ``p`` first, then part ``2N-1-p``.
+
+    Returns:
+        ``2N`` ranges ``(start, end)`` tiling ``[0, length)`` in order; empty parts are
+        ``(x, x)``. A position holding a single piece is read as holding its first part
+        whenever that tiles (the other reading differs only by empty parts, so every member
+        derives the same layout).
+
+    Raises:
+        ValueError: the shares are not a contiguous zigzag split of ``[0, length)``.
+    """
+    n = len(shares)
+    if n < 1:
+        raise ValueError("a zigzag split needs at least one ring position")
+    if n == 1:
+        if [tuple(r) for r in shares[0]] != [(0, length)]:
+            raise ValueError(
+                f"a ring of size 1 holds the whole sequence [0, {length}), got {list(shares[0])}"
+            )
+        return ((0, length),)
+    pending = [list(share) for share in shares]
+    for p, share in enumerate(pending):
+        if len(share) > 2:
+            raise ValueError(f"ring position {p} holds {len(share)} pieces; at most 2 (parts "
+                             f"{p} and {2 * n - 1 - p})")
+        for a, b in share:
+            if not 0 <= a < b <= length:
+                raise ValueError(f"ring position {p}: piece [{a}, {b}) is empty or outside "
+                                 f"[0, {length})")
+    parts: list[Span] = []
+    cursor = 0
+    for part in range(2 * n):
+        owner = zigzag_part_owner(part, n)
+        if pending[owner] and pending[owner][0][0] == cursor:
+            a, b = pending[owner].pop(0)
+            parts.append((a, b))
+            cursor = b
+        else:
+            parts.append((cursor, cursor))
+    left = {p: share for p, share in enumerate(pending) if share}
+    if cursor != length or left:
+        raise ValueError(
+            f"pieces {[list(s) for s in shares]} are not a contiguous zigzag split of "
+            f"[0, {length}) over {n} ring positions (position p holds parts p and {2 * n}-1-p, "
+            f"in that order, and the {2 * n} parts tile the sequence in order)"
+        )
+    return tuple(parts)
+
+
+def padded_part_size(parts: Sequence[Span], align: int = 1) -> int:
+    """Rows every part occupies in a member's buffer: the largest part, rounded up to ``align``."""
+    if align < 1:
+        raise ValueError(f"align ({align}) must be >= 1")
+    largest = max(b - a for a, b in parts)
+    return max(1, -(-largest // align)) * align

@@ -10,6 +10,7 @@ from .backends import (
     MathBackend,
     Segments,
     TorchBackend,
+    accumulation_dtype,
     get_backend,
 )
 from .counters import CommCounters, MicroBatchCommStats, StepCommStats
@@ -34,8 +35,31 @@ from .ring_attention import (
     verify_ring_layout,
 )
 from .ring_comm import RingComm
+from .ring_schedule import prepare_device_metadata
+from .ring_step import (
+    DKV_WIRE_CHOICES,
+    EmulatedRing,
+    RingForwardState,
+    dkv_wire_dtype,
+    emulate_ring_attention,
+    resolve_backend,
+    ring_backward_step,
+    ring_forward_step,
+    start_ring_forward,
+)
 
 __all__ = [
+    "DKV_WIRE_CHOICES",
+    "EmulatedRing",
+    "RingForwardState",
+    "accumulation_dtype",
+    "dkv_wire_dtype",
+    "emulate_ring_attention",
+    "prepare_device_metadata",
+    "resolve_backend",
+    "ring_backward_step",
+    "ring_forward_step",
+    "start_ring_forward",
     "ActivationOffloader",
     "AttentionBackend",
     "AttentionLayout",

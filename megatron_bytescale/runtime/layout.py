@@ -4,14 +4,16 @@ A micro-batch on a rank is one ring plus the sequences it carries (D4). The loca
 for every sequence in the plan's ``seqs`` order, one *slot*:
 
 - ring of size 1: the whole sequence, unpadded (``num_local == length``);
-- ring of size N > 1: zigzag part i then part 2N-1-i of the sequence (i = ring position),
-  each padded to ``chunk = zigzag_chunk(length, N, align)`` (``num_local == 2 * chunk``).
+- ring of size N > 1: the real tokens of zigzag part i, then those of part 2N-1-i (i = ring
+  position), then padding, ``num_local == 2 * chunk`` rows in all, where ``chunk`` is the
+  largest of the sequence's 2N parts rounded up to ``align`` (:func:`padded_part_size`).
 
-Padding sits at the end of the sequence (planner/zigzag.py), so a slot's real tokens are always
-a *prefix* of the slot: if part 2N-1-i holds any real token, part i is full. Ring attention
-relies on this to skip padding without masks.
+The parts are whatever contiguous split the plan states (``StepPlan.zigzag_splits``; the
+planner's own cuts parts of ``ceil(L / 2N)``, an even split is just as valid). A slot's real
+tokens are always a *prefix* of the slot, so ring attention skips padding without masks, and
+every block of a ring step is one contiguous row range per sequence (:mod:`.ring_schedule`).
 
-Every member of a ring computes the same slots (same seqs, lengths, N, align), so the buffer
+Every member of a ring computes the same slots (same seqs, lengths, split, align), so the buffer
 length and slot offsets agree across the ring - receive buffers can be pre-sized locally.
 
 :func:`build_micro_batch` turns this rank's ``index``-th micro-batch of a :class:`StepPlan`
@@ -23,15 +25,15 @@ boundaries), positions are positions in the original sequence (for RoPE, D3), an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from ..planner.plan import MicroBatch, StepPlan
-from ..planner.zigzag import zigzag_chunk, zigzag_share
+from ..planner.zigzag import Span, padded_part_size, zigzag_split
 from .hdp_group import HDPGroup, Ring
 
 PAD_TOKEN_ID = 0
@@ -44,13 +46,14 @@ class SequenceSlot:
     Attributes:
         seq: sequence id.
         length: real tokens of the whole sequence.
-        chunk: padded size of each zigzag part (``length`` on a ring of size 1).
+        chunk: rows reserved per zigzag part (``length`` on a ring of size 1).
         offset: first row of the slot in the local buffer.
         num_local: rows of the slot, padding included.
-        parts: global (padded) positions ``[start, end)`` of the local parts, in local order:
-            ``((i*chunk, (i+1)*chunk), ((2N-1-i)*chunk, (2N-i)*chunk))``, or ``((0, length),)``.
+        parts: real-token ranges ``[start, end)`` of the original sequence held here, in local
+            order: ``(part i, part 2N-1-i)`` (either may be empty), or ``((0, length),)``.
         num_real: real tokens in the slot (always the first ``num_real`` rows).
         real_by_position: ``num_real`` of every ring position (identical on all members).
+        first_by_position: real tokens of every ring position's first part (part i).
     """
 
     seq: int
@@ -58,54 +61,70 @@ class SequenceSlot:
     chunk: int
     offset: int
     num_local: int
-    parts: tuple[tuple[int, int], ...]
+    parts: tuple[Span, ...]
     num_real: int
     real_by_position: tuple[int, ...]
+    first_by_position: tuple[int, ...]
 
     @property
     def end(self) -> int:
         return self.offset + self.num_local
 
 
-def real_tokens_at(length: int, ring_size: int, position: int, chunk: int) -> int:
-    """Real tokens that ring ``position`` holds of a sequence cut into parts of ``chunk``."""
-    if ring_size == 1:
-        return length
-    total = 0
-    for part in (position, 2 * ring_size - 1 - position):
-        total += min(max(length - part * chunk, 0), chunk)
-    return total
+def _check_split(seq: int, length: int, ring_size: int, split: tuple[Span, ...]) -> None:
+    want = 1 if ring_size == 1 else 2 * ring_size
+    pos = 0
+    for a, b in split:
+        if a != pos or b < a:
+            break
+        pos = b
+    else:
+        if len(split) == want and pos == length:
+            return
+    raise ValueError(
+        f"sequence {seq}: split {list(split)} is not {want} contiguous parts of [0, {length}) "
+        f"for a ring of {ring_size}"
+    )
 
 
 def make_slot(
-    *, seq: int, length: int, ring_size: int, position: int, align: int, offset: int
+    *,
+    seq: int,
+    length: int,
+    ring_size: int,
+    position: int,
+    align: int,
+    offset: int,
+    split: tuple[Span, ...] | None = None,
 ) -> SequenceSlot:
-    """The slot of sequence ``seq`` for ring ``position`` starting at row ``offset``."""
+    """The slot of sequence ``seq`` for ring ``position`` starting at row ``offset``.
+
+    ``split`` is the sequence's 2N parts (default: the planner's :func:`zigzag_split`).
+    """
     if length < 1:
         raise ValueError(f"sequence {seq}: length {length} must be >= 1")
+    split = zigzag_split(length, ring_size, align) if split is None else tuple(split)
+    _check_split(seq, length, ring_size, split)
     if ring_size == 1:
         return SequenceSlot(
-            seq=seq,
-            length=length,
-            chunk=length,
-            offset=offset,
-            num_local=length,
-            parts=((0, length),),
-            num_real=length,
-            real_by_position=(length,),
-        )
-    chunk = zigzag_chunk(length, ring_size, align)
-    first, second = position, 2 * ring_size - 1 - position
-    real = tuple(real_tokens_at(length, ring_size, p, chunk) for p in range(ring_size))
+            seq=seq, length=length, chunk=length, offset=offset, num_local=length,
+            parts=((0, length),), num_real=length, real_by_position=(length,),
+            first_by_position=(length,),
+        )  # fmt: skip
+    sizes = [b - a for a, b in split]
+    first = tuple(sizes[p] for p in range(ring_size))
+    real = tuple(first[p] + sizes[2 * ring_size - 1 - p] for p in range(ring_size))
+    chunk = padded_part_size(split, align)
     return SequenceSlot(
         seq=seq,
         length=length,
         chunk=chunk,
         offset=offset,
         num_local=2 * chunk,
-        parts=((first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)),
+        parts=(split[position], split[2 * ring_size - 1 - position]),
         num_real=real[position],
         real_by_position=real,
+        first_by_position=first,
     )
 
 
@@ -121,6 +140,14 @@ class AttentionLayout:
     ring: Ring
     slots: tuple[SequenceSlot, ...]
     num_tokens: int
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per layout and ``key`` (ring blocks, device metadata): every layer
+        of a micro-batch reuses what the first one derived, without hashing the layout."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def __post_init__(self) -> None:
         if not self.slots:
@@ -170,25 +197,40 @@ class AttentionLayout:
         return mask.to(device) if device is not None else mask
 
     def global_positions(self) -> torch.Tensor:
-        """Long ``[num_tokens]``: position of every row in its (padded) original sequence."""
-        pieces = [
-            torch.arange(a, b, dtype=torch.long) for slot in self.slots for a, b in slot.parts
-        ]
-        return torch.cat(pieces)
+        """Long ``[num_tokens]``: position of every row in its original sequence, -1 on padding."""
+        positions = torch.full((self.num_tokens,), -1, dtype=torch.long)
+        for slot in self.slots:
+            positions[slot.offset : slot.offset + slot.num_real] = _slot_positions(slot)
+        return positions
 
     def fingerprint(self) -> tuple[int, ...]:
         """Integers every ring member must agree on (used by the neighbour check)."""
         items = [self.num_tokens, self.ring.size, len(self.slots)]
         items += list(self.ring.members)
         for slot in self.slots:
-            items += [slot.seq, slot.length, slot.chunk]
+            items += [slot.seq, slot.length, slot.chunk, *slot.first_by_position]
+            items += slot.real_by_position
         return tuple(items)
 
 
+def _slot_positions(slot: SequenceSlot) -> torch.Tensor:
+    """Positions in the original sequence of the slot's real rows, in row order."""
+    return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in slot.parts])
+
+
 def make_attention_layout(
-    ring: Ring, sequences: Iterable[tuple[int, int]], *, align: int = 1
+    ring: Ring,
+    sequences: Iterable[tuple[int, int]],
+    *,
+    align: int = 1,
+    splits: Mapping[int, tuple[Span, ...]] | None = None,
 ) -> AttentionLayout:
-    """The layout of ``sequences`` (``(seq_id, length)`` in buffer order) on ``ring``."""
+    """The layout of ``sequences`` (``(seq_id, length)`` in buffer order) on ``ring``.
+
+    ``splits`` gives a sequence's zigzag parts (``StepPlan.zigzag_splits``); a sequence it does
+    not name gets the planner's own split.
+    """
+    splits = splits or {}
     slots: list[SequenceSlot] = []
     offset = 0
     seen: set[int] = set()
@@ -203,6 +245,7 @@ def make_attention_layout(
             position=ring.position,
             align=align,
             offset=offset,
+            split=splits.get(seq),
         )
         slots.append(slot)
         offset = slot.end
@@ -273,14 +316,14 @@ def layout_for(plan: StepPlan, hdp: HDPGroup | int, index: int) -> AttentionLayo
         raise ValueError(
             f"rank {rank} micro-batch {index} (order {mb.order}): unknown sequences {missing}"
         )
-    layout = make_attention_layout(ring, ((s, lengths[s]) for s in mb.seqs), align=plan.align)
-    expected = [
-        (s, a, b)
-        for s in mb.seqs
-        for a, b in zigzag_share(lengths[s], ring.size, ring.position, plan.align)
-    ]
+    all_splits = plan.zigzag_splits()
+    splits = {s: all_splits[s] for s in mb.seqs if s in all_splits}
+    layout = make_attention_layout(
+        ring, ((s, lengths[s]) for s in mb.seqs), align=plan.align, splits=splits
+    )
+    expected = [(slot.seq, a, b) for slot in layout.slots for a, b in slot.parts if b > a]
     got = [(p.seq, p.start, p.end) for p in mb.pieces]
-    if got != expected:
+    if got != expected or any(s not in splits for s in mb.seqs):
         raise ValueError(
             f"rank {rank} micro-batch {index} (order {mb.order}): pieces {got} are not the zigzag "
             f"share {expected} of ring position {ring.position}; the plan is invalid "
@@ -326,14 +369,14 @@ def build_micro_batch(
         if slot.seq not in tokens_by_seq:
             raise ValueError(f"tokens_by_seq has no tokens for sequence {slot.seq}")
         seq_tokens = _as_long_tensor(slot.seq, tokens_by_seq[slot.seq], slot.length)
-        g = torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in slot.parts])
-        real = g < slot.length
+        g = _slot_positions(slot)
         has_next = g + 1 < slot.length
-        last = slot.length - 1
-        toks.append(torch.where(real, seq_tokens[g.clamp(max=last)], PAD_TOKEN_ID))
-        labs.append(torch.where(has_next, seq_tokens[(g + 1).clamp(max=last)], PAD_TOKEN_ID))
-        masks.append(has_next.to(torch.float32))
-        poss.append(torch.where(real, g, 0))
+        pad = slot.num_local - slot.num_real
+        toks += [seq_tokens[g], torch.full((pad,), PAD_TOKEN_ID, dtype=torch.long)]
+        nxt = seq_tokens[(g + 1).clamp(max=slot.length - 1)]
+        labs += [torch.where(has_next, nxt, PAD_TOKEN_ID), toks[-1]]
+        masks += [has_next.to(torch.float32), torch.zeros(pad)]
+        poss += [g, torch.zeros(pad, dtype=torch.long)]
     loss_mask = torch.cat(masks)
     move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
     return MicroBatchTensors(

@@ -5,14 +5,15 @@ block j gives ``out_j = softmax(s_j) @ v_j`` and ``lse_j = log(sum(exp(s_j)))``.
 over the union is the lse-weighted average
 
     lse = log(exp(lse_a) + exp(lse_b))
-    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+    out = out_a + exp(lse_b - lse) * (out_b - out_a)        (since the two weights sum to 1)
 
 which is exact (no approximation, only rounding) and associative, so the ring can merge the
-blocks in whatever order they arrive. ``torch.logaddexp`` evaluates the first line stably;
-the weights are then in [0, 1]. A running result starts at ``out = 0, lse = -inf``, which the
-formula merges correctly (weight 0 for the empty part). Both sides being ``-inf`` (a row that
-has seen no key yet merging a block where it sees none) would give NaN; callers never merge a
-block whose rows see no key.
+blocks in whatever order they arrive. In place and in three passes over the running result:
+``torch.logaddexp(..., out=lse)`` (stable), the block weight ``exp(lse_b - lse)``, and one
+``lerp_`` of the output. A running result starts at ``out = 0, lse = -inf``, which the formula
+merges correctly (weight 1 for the first block); the ring skips even that and copies its first
+block. Both sides being ``-inf`` (a row that has seen no key yet merging a block where it sees
+none) would give NaN; callers never merge a block whose rows see no key.
 """
 
 from __future__ import annotations
@@ -29,13 +30,12 @@ def merge_partial_attention(
     """Merge one block's partial attention into the running result, in place.
 
     Args:
-        out: running output ``[T, N, H]``, float32, updated in place.
-        lse: running log-sum-exp ``[T, N]``, float32, updated in place.
+        out: running output ``[T, N, H]`` (float32 or float64), updated in place.
+        lse: running log-sum-exp ``[T, N]``, same dtype as ``out``, updated in place.
         block_out: the block's output ``[T, N, H]`` (any float dtype).
         block_lse: the block's log-sum-exp ``[T, N]``.
     """
-    new_lse = torch.logaddexp(lse, block_lse.float())
-    old_weight = torch.exp(lse - new_lse).unsqueeze(-1)
-    block_weight = torch.exp(block_lse - new_lse).unsqueeze(-1)
-    out.mul_(old_weight).add_(block_out.float() * block_weight)
-    lse.copy_(new_lse)
+    block_lse = block_lse.to(lse.dtype)
+    torch.logaddexp(lse, block_lse, out=lse)
+    weight = torch.sub(block_lse, lse).exp_().unsqueeze(-1)
+    out.lerp_(block_out.to(out.dtype), weight)

@@ -17,7 +17,7 @@ of size 1 moves nothing. The total over the ring is N times the per-member numbe
 from __future__ import annotations
 
 from ..planner.plan import StepPlan
-from ..planner.zigzag import zigzag_chunk
+from ..planner.zigzag import padded_part_size, zigzag_chunk
 
 GRAD_ACCUMULATOR_BYTES = 4  # dK/dV travel as float32
 
@@ -73,10 +73,14 @@ def plan_p2p_bytes(
     """Total bytes sent by all HDP ranks over one step of ``plan`` (``num_layers`` attention calls
     per micro-batch), to compare with the planner's estimate and with measured counters."""
     lengths = plan.sequence_lengths()
+    splits = plan.zigzag_splits()
     total = 0
     for rank_plan in plan.ranks:
         for mb in rank_plan.micro_batches:
-            tokens = ring_local_tokens([lengths[s] for s in mb.seqs], len(mb.ring), plan.align)
+            if len(mb.ring) == 1:
+                tokens = sum(lengths[s] for s in mb.seqs)
+            else:  # every part padded to the plan's largest part of the sequence
+                tokens = sum(2 * padded_part_size(splits[s], plan.align) for s in mb.seqs)
             total += ring_attention_p2p_bytes(
                 num_tokens=tokens,
                 ring_size=len(mb.ring),

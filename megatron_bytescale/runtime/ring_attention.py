@@ -14,31 +14,44 @@ log-sum-exp (:func:`.merge_partial_attention`). The transfer for step t+1 is com
 the block of step t is computed and waited for just before step t+1 needs it.
 
 Backward: k/v rotate again, and every member computes, per step, dq (kept) and the dK/dV
-contribution for the k/v it holds. That contribution travels with an fp32 accumulator: the
-member right after the owner starts it, every later member adds its part and forwards it, and
-the last hop delivers it to the owner, which adds the contribution it kept from step 0. Byte
-counts are in :mod:`.p2p_volume`.
+contribution for the k/v it holds. That contribution travels with an accumulator: the member
+right after the owner starts it, every later member adds its part and forwards it, and the last
+hop delivers it to the owner, which adds the contribution it kept from step 0. The accumulator
+travels in the accumulation dtype (default) or in the input dtype (``dkv_wire="input"``: half
+the dK/dV bytes for bf16, see :func:`.dkv_wire_dtype`). Byte counts are in :mod:`.p2p_volume`.
 
-Numerics: blocks run in the input dtype; merging, dq and dK/dV accumulate in float32; the
-results are cast back to the input dtypes. Padding rows are never computed (output 0, zero
-gradient).
+The compute of one step is :mod:`.ring_step` (shared with the one-process emulation); this
+module adds the transfers, the autograd function and the checks. Nothing here reads a device
+value back to the host: block offsets are host integers and the kernels' ``cu_seqlens`` reach the
+device in one non-blocking copy per micro-batch (D12).
+
+Numerics: blocks run in the input dtype; merging, dq and dK/dV accumulate in float32 (float64
+for float64 inputs); the results are cast back to the input dtypes. Padding rows are never
+computed (output 0, zero gradient).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 
 import torch
 
-from .backends import AttentionBackend, get_backend
+from .backends import AttentionBackend, accumulation_dtype
 from .counters import CommCounters, MicroBatchCommStats, timed
 from .hdp_group import HDPGroup
 from .layout import AttentionLayout
-from .online_softmax import merge_partial_attention
 from .ring_comm import RingComm
-from .ring_schedule import AttentionBlock, attention_block, iter_spans, take_rows
+from .ring_schedule import AttentionBlock, attention_block, prepare_device_metadata
+from .ring_step import (
+    DkvWire,
+    dkv_wire_dtype,
+    resolve_backend,
+    ring_backward_step,
+    ring_forward_step,
+    softmax_scale_of,
+    start_ring_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +99,6 @@ def _check_inputs(
         raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
 
 
-def _resolve_backend(backend: str | AttentionBackend | None, q: torch.Tensor) -> AttentionBackend:
-    impl = (
-        backend
-        if isinstance(backend, AttentionBackend)
-        else get_backend(backend, device=q.device, dtype=q.dtype)
-    )
-    if not impl.supports(q.device, q.dtype):
-        raise ValueError(
-            f"attention backend {impl.name!r} does not support {q.dtype} on {q.device}; "
-            f"use backend='torch' (any device and dtype)"
-        )
-    return impl
-
-
 def _resolve_record(
     counters: CommCounters | MicroBatchCommStats | None,
 ) -> MicroBatchCommStats | None:
@@ -114,10 +113,6 @@ def _start_call(
     if record is not None:
         record.attention_calls += 1
     return record
-
-
-def _softmax_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def verify_ring_layout(
@@ -160,40 +155,6 @@ def verify_ring_layout(
             )
 
 
-# ---------------------------------------------------------------------- one block
-def _forward_block(q, kv, block: AttentionBlock, backend, scale, out, lse) -> None:
-    o, l = backend.forward(
-        take_rows(q, block.q_spans),
-        take_rows(kv[0], block.k_spans),
-        take_rows(kv[1], block.k_spans),
-        block.segments,
-        causal=block.causal,
-        scale=scale,
-    )
-    for a, b, pa, pb in iter_spans(block.q_spans):
-        merge_partial_attention(out[a:b], lse[a:b], o[pa:pb], l[pa:pb])
-
-
-def _backward_block(dout, q, kv, out, lse, block: AttentionBlock, backend, scale, dq, dkv) -> None:
-    rows = block.q_spans
-    dq_b, dk_b, dv_b = backend.backward(
-        take_rows(dout, rows),
-        take_rows(q, rows),
-        take_rows(kv[0], block.k_spans),
-        take_rows(kv[1], block.k_spans),
-        take_rows(out, rows),
-        take_rows(lse, rows),
-        block.segments,
-        causal=block.causal,
-        scale=scale,
-    )
-    for a, b, pa, pb in iter_spans(rows):
-        dq[a:b] += dq_b[pa:pb]
-    for a, b, pa, pb in iter_spans(block.k_spans):
-        dkv[0, a:b] += dk_b[pa:pb]
-        dkv[1, a:b] += dv_b[pa:pb]
-
-
 # ---------------------------------------------------------------------- forward / backward
 def _local_block(layout: AttentionLayout) -> AttentionBlock:
     block = attention_block(layout, layout.ring.position)
@@ -203,15 +164,14 @@ def _local_block(layout: AttentionLayout) -> AttentionBlock:
 
 def _forward(q, k, v, layout, hdp, scale, backend, record):
     ring = layout.ring
+    prepare_device_metadata(layout, q.device)
     if ring.is_local:
         block = _local_block(layout)
         with timed(record, "compute_s"):
             out, lse = backend.forward(q, k, v, block.segments, causal=True, scale=scale)
         return out.contiguous(), lse
 
-    T, n_q, H = q.shape
-    out = torch.zeros((T, n_q, H), dtype=torch.float32, device=q.device)
-    lse = torch.full((T, n_q), float("-inf"), dtype=torch.float32, device=q.device)
+    state = start_ring_forward(q)
     kv = torch.stack((k, v))
     comm = RingComm(hdp, ring, counters=record, tag=_TAG_KV)
     for step in range(ring.size):
@@ -219,19 +179,19 @@ def _forward(q, k, v, layout, hdp, scale, backend, record):
         if not last:
             incoming = comm.send_recv(kv)
             comm.commit()
-        block = attention_block(layout, (ring.position - step) % ring.size)
-        if block is not None:
-            with timed(record, "compute_s"):
-                _forward_block(q, kv, block, backend, scale, out, lse)
+        source = (ring.position - step) % ring.size
+        with timed(record, "compute_s"):
+            ring_forward_step(state, q, kv[0], kv[1], layout, source, backend=backend, scale=scale)
         if not last:
             with timed(record, "wait_s"):
                 comm.wait()
             kv = incoming
-    return out.to(q.dtype), lse
+    return state.output(q.dtype), state.lse
 
 
-def _backward(dout, q, k, v, out, lse, layout, hdp, scale, backend, record):
+def _backward(dout, q, k, v, out, lse, layout, hdp, scale, backend, record, dkv_wire="accumulator"):
     ring = layout.ring
+    prepare_device_metadata(layout, q.device)
     if ring.is_local:
         block = _local_block(layout)
         with timed(record, "compute_s"):
@@ -239,7 +199,8 @@ def _backward(dout, q, k, v, out, lse, layout, hdp, scale, backend, record):
                 dout, q, k, v, out, lse, block.segments, causal=True, scale=scale
             )
 
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc, wire = accumulation_dtype(q.dtype), dkv_wire_dtype(q.dtype, dkv_wire)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack((k, v))
     kv_comm = RingComm(hdp, ring, counters=record, tag=_TAG_KV)
     dkv_comm = RingComm(hdp, ring, counters=record, tag=_TAG_DKV)
@@ -249,11 +210,11 @@ def _backward(dout, q, k, v, out, lse, layout, hdp, scale, backend, record):
         if not last:
             incoming = kv_comm.send_recv(kv)
             kv_comm.commit()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        block = attention_block(layout, (ring.position - step) % ring.size)
-        if block is not None:
-            with timed(record, "compute_s"):
-                _backward_block(dout, q, kv, out, lse, block, backend, scale, dq, dkv)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        source = (ring.position - step) % ring.size
+        with timed(record, "compute_s"):
+            ring_backward_step(dout, q, kv[0], kv[1], out, lse, layout, source, dq, dkv,
+                               backend=backend, scale=scale)  # fmt: skip
         if step == 0:
             own = dkv  # our own k/v's contribution stays here until the accumulator returns
         else:
@@ -261,7 +222,7 @@ def _backward(dout, q, k, v, out, lse, layout, hdp, scale, backend, record):
                 with timed(record, "wait_s"):
                     dkv_comm.wait()
                 dkv += carried
-            carried = dkv_comm.send_recv(dkv)
+            carried = dkv_comm.send_recv(dkv.to(wire))
             dkv_comm.commit()
         if not last:
             with timed(record, "wait_s"):
@@ -289,9 +250,9 @@ def ring_attention_forward(
     Padding rows get ``out = 0`` and ``lse = -inf``.
     """
     _check_inputs(q, k, v, layout, hdp)
-    scale = _softmax_scale(q, softmax_scale)
+    scale = softmax_scale_of(q, softmax_scale)
     record = _start_call(counters)
-    return _forward(q, k, v, layout, hdp, scale, _resolve_backend(backend, q), record)
+    return _forward(q, k, v, layout, hdp, scale, resolve_backend(backend, q), record)
 
 
 def ring_attention_backward(
@@ -307,6 +268,7 @@ def ring_attention_backward(
     softmax_scale: float | None = None,
     backend: str | AttentionBackend | None = None,
     counters: CommCounters | MicroBatchCommStats | None = None,
+    dkv_wire: DkvWire = "accumulator",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward only, given the forward's ``out`` and ``lse``: ``(dq, dk, dv)``."""
     _check_inputs(q, k, v, layout, hdp)
@@ -315,43 +277,31 @@ def ring_attention_backward(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must match q {tuple(q.shape)}, "
             f"lse {tuple(lse.shape)} must be {tuple(q.shape[:2])}"
         )
-    scale = _softmax_scale(q, softmax_scale)
+    scale = softmax_scale_of(q, softmax_scale)
+    dkv_wire_dtype(q.dtype, dkv_wire)  # refuse a bad choice before any transfer
     return _backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        layout,
-        hdp,
-        scale,
-        _resolve_backend(backend, q),
-        _resolve_record(counters),
-    )
+        dout, q, k, v, out, lse, layout, hdp, scale, resolve_backend(backend, q),
+        _resolve_record(counters), dkv_wire,
+    )  # fmt: skip
 
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, hdp, scale, backend, record):  # noqa: D401 - autograd hook
+    def forward(ctx, q, k, v, layout, hdp, scale, backend, record, dkv_wire):  # noqa: D401
         out, lse = _forward(q, k, v, layout, hdp, scale, backend, record)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.hdp, ctx.scale, ctx.backend, ctx.record = (
-            layout,
-            hdp,
-            scale,
-            backend,
-            record,
-        )
+        ctx.layout, ctx.hdp, ctx.scale = layout, hdp, scale
+        ctx.backend, ctx.record, ctx.dkv_wire = backend, record, dkv_wire
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(
-            dout, q, k, v, out, lse, ctx.layout, ctx.hdp, ctx.scale, ctx.backend, ctx.record
-        )
-        return dq, dk, dv, None, None, None, None, None
+            dout.contiguous(), q, k, v, out, lse, ctx.layout, ctx.hdp, ctx.scale, ctx.backend,
+            ctx.record, ctx.dkv_wire,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -365,6 +315,7 @@ def ring_attention(
     backend: str | AttentionBackend | None = None,
     counters: CommCounters | None = None,
     verify_peers: bool = False,
+    dkv_wire: DkvWire = "accumulator",
 ) -> torch.Tensor:
     """Causal attention of a micro-batch over its ring, differentiable in q, k and v.
 
@@ -375,11 +326,15 @@ def ring_attention(
         hdp: the HDP group the ring lives on.
         softmax_scale: defaults to ``1 / sqrt(H)``.
         backend: ``"torch"``, ``"math"``, ``"flash_attn"``, ``"te"`` or an instance; None picks
-            the best available for the device and dtype (:func:`get_backend`).
+            the best available for the device, dtype and head dim (:func:`get_backend`). A
+            backend that cannot run the case is refused here, before any transfer.
         counters: P2P bytes, calls and compute/wait time are charged to its current micro-batch
             (the backward to the same micro-batch as the forward).
         verify_peers: first exchange a layout fingerprint with both neighbours
             (:func:`verify_ring_layout`) so that disagreeing members raise instead of aborting.
+        dkv_wire: dtype of the dK/dV accumulators on the wire: ``"accumulator"`` (float32,
+            exact partial sums) or ``"input"`` (q's dtype: bf16 halves those bytes), see
+            :func:`.dkv_wire_dtype`.
 
     Returns:
         ``[T, Nq, H]`` in q's dtype; every token attends to the earlier tokens of its own
@@ -388,11 +343,12 @@ def ring_attention(
     Every member of the ring must call this with the same layout, in the same order (D5).
     """
     _check_inputs(q, k, v, layout, hdp)
-    impl = _resolve_backend(backend, q)
-    scale = _softmax_scale(q, softmax_scale)
+    impl = resolve_backend(backend, q)
+    scale = softmax_scale_of(q, softmax_scale)
+    dkv_wire_dtype(q.dtype, dkv_wire)  # refuse a bad choice before any transfer
     if verify_peers:
         verify_ring_layout(
             layout, hdp, extra=(q.shape[1], k.shape[1], q.shape[2], q.element_size())
         )
     record = _start_call(counters)
-    return _RingAttentionFunction.apply(q, k, v, layout, hdp, scale, impl, record)
+    return _RingAttentionFunction.apply(q, k, v, layout, hdp, scale, impl, record, dkv_wire)

@@ -12,15 +12,16 @@ src and 2N-1-src, and causality between whole parts decides the block:
   both of src's parts, no mask.
 
 Every member does the same amount of work per step (the zigzag balance). Padding is skipped
-exactly: a slot's real tokens are a prefix of it (see :mod:`.layout`), so each block row range
-is clipped to real rows and empty segments are dropped. Padding rows are never computed, get
-output 0 and gradient 0.
+exactly: a slot holds its first part's real tokens, then its second part's, then padding (see
+:mod:`.layout`), so each case above is ONE contiguous row range of q and of k/v per sequence,
+whatever split the plan chose; empty segments are dropped. Padding rows are never computed,
+get output 0 and gradient 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import torch
 
@@ -36,9 +37,9 @@ class AttentionBlock:
 
     ``q_ranges[i]`` (rows of the local buffer) attends to ``k_ranges[i]`` (rows of the source
     member's buffer, whose layout is identical). ``q_spans``/``k_spans`` merge adjacent ranges:
-    packing the block's inputs is a view when there is one span. Blocks are cached per
-    (layout, source), so every layer of a micro-batch reuses them (and, on GPU, their
-    ``cu_seqlens`` device tensors).
+    packing the block's inputs is a view when there is one span. Blocks are memoised on the
+    layout per source, so every layer of a micro-batch reuses them (and, on an accelerator, their
+    ``cu_seqlens`` device tensors, see :func:`prepare_device_metadata`).
     """
 
     q_ranges: tuple[Range, ...]
@@ -75,21 +76,24 @@ def _merge_adjacent(ranges: tuple[Range, ...]) -> tuple[Range, ...]:
     return tuple((a, b) for a, b in spans)
 
 
-@lru_cache(maxsize=4096)
 def attention_block(layout: AttentionLayout, source: int) -> AttentionBlock | None:
     """The block this member computes with the k/v of ring position ``source``; None if empty."""
+    return layout.memo(("block", source), lambda: _build_block(layout, source))
+
+
+def _build_block(layout: AttentionLayout, source: int) -> AttentionBlock | None:
     me = layout.ring.position
     q_ranges: list[Range] = []
     k_ranges: list[Range] = []
     for slot in layout.slots:
-        off, chunk = slot.offset, slot.chunk
+        off = slot.offset
         mine, theirs = slot.num_real, slot.real_by_position[source]
         if source == me:
             q, k = (off, off + mine), (off, off + mine)
         elif source < me:
-            q, k = (off, off + mine), (off, off + min(theirs, chunk))
+            q, k = (off, off + mine), (off, off + slot.first_by_position[source])
         else:
-            q, k = (off + chunk, off + max(mine, chunk)), (off, off + theirs)
+            q, k = (off + slot.first_by_position[me], off + mine), (off, off + theirs)
         if q[1] > q[0] and k[1] > k[0]:
             q_ranges.append(q)
             k_ranges.append(k)
@@ -112,3 +116,37 @@ def iter_spans(spans: tuple[Range, ...]):
     for a, b in spans:
         yield a, b, packed, packed + b - a
         packed += b - a
+
+
+def prepare_device_metadata(layout: AttentionLayout, device: torch.device) -> None:
+    """Put the ``cu_seqlens`` of every block of the micro-batch on ``device`` in ONE copy.
+
+    Built on the host once per micro-batch (all ring steps, both passes and every layer reuse
+    it), staged in pinned memory and copied with ``non_blocking=True``: the copy is ordered on
+    the current stream before the kernels that read it, and the host never waits for it (D12).
+    A no-op on CPU, whose kernels read the host offsets, and after the first call per device.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    layout.memo(("device_metadata", str(device)), lambda: _install_metadata(layout, device))
+
+
+def _install_metadata(layout: AttentionLayout, device: torch.device) -> torch.Tensor:
+    blocks = [attention_block(layout, source) for source in range(layout.ring.size)]
+    blocks = [b for b in blocks if b is not None]
+    values: list[int] = []
+    for block in blocks:
+        values += block.segments.cu_q
+        values += block.segments.cu_k
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    staged = host.to(device, non_blocking=True)
+    offset = 0
+    for block in blocks:
+        seg = block.segments
+        n_q, n_k = len(seg.cu_q), len(seg.cu_k)
+        seg.install(device, staged[offset : offset + n_q], staged[offset + n_q : offset + n_q + n_k])
+        offset += n_q + n_k
+    return host  # kept alive with the layout until the copy has surely completed

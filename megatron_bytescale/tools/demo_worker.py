@@ -175,7 +175,7 @@ def train_mode(
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
     from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
-    from megatron_bytescale.runtime import CommCounters
+    from megatron_bytescale.runtime import CommCounters, plan_p2p_bytes
 
     model = build_gpt_model(
         model_config, vocab_size=vocab_size, max_sequence_length=settings.context_length
@@ -208,14 +208,23 @@ def train_mode(
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if printer.enabled:
-            row = step_row(step, gathered)
+            # what the runtime formula says the step's rings send (fp32 K/V, fp32 dK/dV)
+            formula = plan_p2p_bytes(
+                step.plan, num_kv_heads=settings.num_query_groups,
+                head_dim=settings.hidden_size // settings.num_attention_heads, element_size=4,
+                num_layers=settings.num_layers,
+            )  # fmt: skip
+            row = step_row(step, gathered, p2p_bytes_formula=formula)
             rows.append(row)
             printer.step(dataset, mode, row)
     return {"label": MODE_LABELS[mode], "steps": rows}
 
 
-def step_row(step: Any, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One step of one mode, over all ranks."""
+def step_row(
+    step: Any, per_rank: list[dict[str, Any]], *, p2p_bytes_formula: int | None = None
+) -> dict[str, Any]:
+    """One step of one mode, over all ranks (``p2p_bytes`` measured, ``p2p_bytes_formula``
+    from :func:`~megatron_bytescale.runtime.plan_p2p_bytes` of the step's plan)."""
     wall = max(r["finished_at"] for r in per_rank) - min(r["started_at"] for r in per_rank)
     loss_sum = sum(r["loss_sum"] for r in per_rank)
     estimate = step.plan.estimate
@@ -227,6 +236,9 @@ def step_row(step: Any, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_s": wall,
         "tokens_per_s": step.total_tokens / wall if wall > 0 else 0.0,
         "p2p_bytes": sum(r["p2p_bytes"] for r in per_rank),
+        "p2p_bytes_formula": p2p_bytes_formula,
+        "sequences": len(step.plan.sequences),
+        "batch_tokens": step.global_batch.total_tokens,
         "busy_s": [r["busy_s"] for r in per_rank],
         "reduce_wall_s": [r["reduce_wall_s"] for r in per_rank],
         "micro_batches": [r["micro_batches"] for r in per_rank],

@@ -293,6 +293,8 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         "loss_tokens": record.loss_tokens,
     }
 
+    out["guards"] = _step_guards(step, config, initial_state, manager, cm, rank)
+
     # -- 4. the core attention refuses what it cannot do --------------------------------------
     out["attention_refusals"] = _attention_refusals(config, manager)
 
@@ -360,4 +362,55 @@ def _planning_failures(good, sequences, manager, rank: int) -> dict[str, str]:
         step = next(iterator)  # the same batch again, planned this time
         out[name + "_retry"] = f"{step.index} {len(step.plan.sequences)}"
         iterator.close()
+    return out
+
+
+def _step_guards(step, config, initial_state, manager, cm, rank: int) -> dict[str, Any]:
+    """The token-count guard of ``run_hdp_step``, and an overlong document truncated by the
+    planner: its tokens reach the ranks through ``PlannedTokens`` cut to the planned length, and
+    the step equals one process training the truncated documents."""
+    import dataclasses
+
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.schedule import run_hdp_step
+
+    out: dict[str, Any] = {}
+    # a step whose global token count disagrees with what the ranks trained stops every rank
+    wrong = dataclasses.replace(step, global_loss_tokens=step.global_loss_tokens + 1)
+    ddp, optimizer = fresh_model(config, initial_state)
+    try:
+        run_hdp_step(wrong, model=ddp, optimizer=optimizer, manager=manager)
+        out["token_guard"] = None
+    except RuntimeError as exc:
+        out["token_guard"] = str(exc)
+
+    # an overlong document: CONTEXT + 44 tokens, truncated to CONTEXT by the planner
+    rng = np.random.default_rng(21)
+    documents = [rng.integers(0, VOCAB, n).tolist() for n in (CONTEXT + 44, 70, 31, 90)]
+    planner = make_step_planner(bytescale_config(overlong="truncate"), hdp_size=manager.size,
+                                cost_model=cm)
+    truncated = next(HDPDataIterator([documents], planner=planner, hdp=manager.hdp))
+    out["truncated_meta"] = truncated.plan.meta.get("truncated")
+    out["truncated_loss_tokens"] = truncated.global_loss_tokens
+    seen = []
+    for tensors in truncated.micro_batch_tensors():
+        real = tensors.layout.real_mask()
+        for slot in tensors.layout.slots:
+            rows = slice(slot.offset, slot.offset + slot.num_real)
+            for pos, tok in zip(tensors.position_ids[rows].tolist(), tensors.tokens[rows].tolist()):
+                seen.append((slot.seq, pos, tok))
+        out.setdefault("padding_is_zero", True)
+        out["padding_is_zero"] &= bool((tensors.tokens[~real] == 0).all())
+    out["truncated_tokens_seen"] = seen
+    ddp, optimizer = fresh_model(config, initial_state)
+    grads = grab_grads_before_step(ddp, optimizer)
+    record = run_hdp_step(truncated, model=ddp, optimizer=optimizer, manager=manager)
+    out["truncated_loss_sum"] = record.loss_sum
+    if rank == 0:
+        cut = [d[:CONTEXT] for d in documents]
+        ref_loss, ref_grads = reference_loss_and_grads(config, initial_state, cut)
+        out["truncated_reference_loss"] = ref_loss
+        out["truncated_grad_error"] = max(relative_error(grads[n], ref_grads[n]) for n in ref_grads)
+        out["documents"] = documents
     return out

@@ -26,6 +26,7 @@ EXPECTED_FLAGS = {
     "--bytescale-context-length",
     "--bytescale-overlong",
     "--bytescale-attention-backend",
+    "--bytescale-dkv-wire-dtype",
     "--bytescale-plan-prefetch",
     "--bytescale-cost-model",
     "--bytescale-ranks-per-node",

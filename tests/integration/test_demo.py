@@ -81,13 +81,30 @@ def test_demo_runs_end_to_end(tmp_path):
         assert max(abs(a - b) for a, b in zip(losses[m], losses["static"])) <= 1e-4
     sent = {m: sum(s["p2p_bytes"] for s in modes[m]["steps"]) for m in modes}
     assert sent["balance"] < sent["static"]
+    settings = results["settings"]
+    tokens_per_step = settings["ranks"] * settings["capacity"] * settings["micro_batches_per_rank"]
+    for m, mode in modes.items():
+        for s in mode["steps"]:
+            # every token of the global batch trains once: the batch, the plan and the ranks agree
+            assert tokens_per_step - 1 <= s["batch_tokens"] <= tokens_per_step
+            assert s["tokens"] == s["batch_tokens"] == sum(s["rank_tokens"]), (m, s)
+            assert s["loss_tokens"] == s["tokens"] - s["sequences"], (m, s)
+            # every micro-batch of every ring is counted once per member
+            assert sum(s["micro_batches"]) == sum(int(size) * n for size, n in s["ring_sizes"].items())
+            # what the counters measured is what the runtime formula says the plan sends
+            assert s["p2p_bytes"] == s["p2p_bytes_formula"], (m, s)
+    assert all(s["p2p_bytes"] > 0 for s in modes["static"]["steps"])  # static CP always rings
     assert "HDP balance" in done.stdout and "vs static" in done.stdout
     assert (out / "demo.png").stat().st_size > 0
     # the calibrated cost model is saved for reuse (--bytescale-cost-model) and has the ring
     # step overhead the CPU calibration measured
     saved = json.loads((out / "cost_model.json").read_text())
     assert saved == results["calibration"]["cost_model"]
-    assert saved["ring_step_overhead_s"] >= 0.0 and saved["num_layers"] == 1
+    assert saved["num_layers"] == 1
+    # the header reports the numbers the planner then uses (the same model, to the digit shown)
+    header = next(line for line in done.stdout.splitlines() if "cost model (per layer" in line)
+    assert f"{saved['alpha1']:.3g} s^2 + {saved['beta1']:.3g} s + {saved['gamma']:.3g} seconds" in header
+    assert f"ring step overhead {saved['ring_step_overhead_s'] * 1e3:.2f} ms per layer" in header
 
 
 def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_bytescale.testing.distributed import run_distributed
 
-from .hdp_cases import GRAD_LENGTHS, SLEEP_S, TRAIN_STEPS, hdp_rank_body
+from .hdp_cases import CONTEXT, GRAD_LENGTHS, SLEEP_S, TRAIN_STEPS, hdp_rank_body
 
 TOLERANCE = 1e-5
 
@@ -84,6 +84,30 @@ def test_ranks_wait_only_in_the_gradient_reduction(results):
         assert fast["reduce_wall_s"] > 2 * SLEEP_S
         assert fast["reduced_at"] >= slow_done
     assert t[0]["reduce_wall_s"] < SLEEP_S
+
+
+def test_a_step_that_lost_tokens_is_refused_on_every_rank(results):
+    # the manual plan of the timeline test: 6 documents, 320 tokens, 314 loss tokens
+    for r in results:
+        assert r["guards"]["token_guard"] is not None
+        assert "trained 314 loss tokens, the global batch has 315" in r["guards"]["token_guard"]
+
+
+def test_an_overlong_document_is_truncated_on_its_way_to_the_ranks(results):
+    guards = [r["guards"] for r in results]
+    documents = guards[0]["documents"]
+    assert guards[0]["truncated_meta"] == [{"id": 0, "from": CONTEXT + 44, "to": CONTEXT}]
+    expected = {(i, p): t for i, d in enumerate(documents) for p, t in enumerate(d[:CONTEXT])}
+    seen = [item for g in guards for item in g["truncated_tokens_seen"]]
+    assert len(seen) == len(expected)  # every planned token once, the cut-off tail nowhere
+    assert {(s, p): t for s, p, t in seen} == expected
+    assert all(g["padding_is_zero"] for g in guards)
+    loss_tokens = sum(min(len(d), CONTEXT) - 1 for d in documents)
+    assert all(g["truncated_loss_tokens"] == loss_tokens for g in guards)
+    loss = sum(g["truncated_loss_sum"] for g in guards) / loss_tokens
+    ref = guards[0]["truncated_reference_loss"]
+    assert abs(loss - ref) / abs(ref) <= TOLERANCE
+    assert guards[0]["truncated_grad_error"] <= TOLERANCE
 
 
 def test_rank0_broadcast_gives_the_same_plan_and_mismatches_are_caught(results):

@@ -423,7 +423,39 @@ def hooks_rank_body(rank: int, world_size: int, prefix: str) -> dict[str, Any]:
     # 4. the plan hashes agree (every rank planned the same global batch)
     again = megatron_lm.build_hdp_data_iterators(args)[0]
     out["plan_hash"] = next(again).plan_hash
+    # 5. resume: Megatron restores consumed_*_samples = k x --global-batch-size from the checkpoint
+    out["resume"] = _resume_facts(args)
     return out
+
+
+def _resume_facts(args) -> dict[str, Any]:
+    """The iterators built after k (train) / j (valid) steps continue exactly where an
+    uninterrupted run is: same plan hash, same tokens, same micro-batches on this rank."""
+    facts: dict[str, Any] = {}
+    for split, name, k in ((0, "train", 3), (1, "valid", 2)):
+        uninterrupted = megatron_lm.build_hdp_data_iterators(args)[split]
+        first = next(uninterrupted)
+        for _ in range(k - 1):
+            next(uninterrupted)
+        expected = next(uninterrupted)
+        resumed_args = argparse.Namespace(**vars(args))
+        setattr(resumed_args, f"consumed_{name}_samples", k * GLOBAL_BATCH)
+        resumed = next(megatron_lm.build_hdp_data_iterators(resumed_args)[split])
+        batch_a, batch_b = expected.global_batch, resumed.global_batch
+        facts[name] = {
+            "hash_moved": first.plan_hash != expected.plan_hash,
+            "same_hash": resumed.plan_hash == expected.plan_hash,
+            "same_lengths": batch_a.lengths == batch_b.lengths,
+            "same_tokens": all(np.array_equal(batch_a.tokens_by_seq[i], batch_b.tokens_by_seq[i])
+                               for i in range(len(batch_a.lengths))),
+            "same_micro_batches": all(
+                torch.equal(x.tokens, y.tokens) and torch.equal(x.labels, y.labels)
+                for x, y in itertools.zip_longest(expected.micro_batch_tensors(),
+                                                  resumed.micro_batch_tensors(), fillvalue=None)
+                if x is not None and y is not None
+            ) and expected.num_micro_batches == resumed.num_micro_batches,
+        }
+    return facts
 
 
 @pytest.fixture(scope="module")
@@ -467,6 +499,16 @@ def test_rank_without_micro_batches_returns_one_zero_report(rank_results):
     assert rank_results[3]["zero_rank"]["reports"] == 1
     assert rank_results[3]["zero_rank"]["values"] == [[0.0, 0.0]]
     assert all(r["zero_rank"]["reports"] == c for r, c in zip(rank_results[:3], counts[:3]))
+
+
+@pytest.mark.parametrize("split", ["train", "valid"])
+def test_resume_from_consumed_samples_continues_the_uninterrupted_run(rank_results, split):
+    """consumed_*_samples counts SAMPLES (k steps x --global-batch-size); skipping that many
+    global batches instead of k would silently train on other data after every resume."""
+    for r in rank_results:
+        facts = r["resume"][split]
+        assert facts["hash_moved"], "the steps compared must differ from the first one"
+        assert facts == {name: True for name in facts}, facts
 
 
 def test_forward_only_matches_single_process_loss(rank_results):

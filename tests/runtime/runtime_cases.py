@@ -78,9 +78,11 @@ def scheduler_plan(
 
 # ---------------------------------------------------------------------- data
 def global_tensors(
-    seed: int, plan: StepPlan, n_q: int, n_kv: int, head_dim: int
+    seed: int, plan: StepPlan, n_q: int, n_kv: int, head_dim: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """q, k, v, dout per sequence (float32), identical on every process."""
+    """q, k, v, dout per sequence, identical on every process: float32 values rounded to
+    ``dtype`` (and kept in float32, so a float64 reference sees exactly the kernel's inputs)."""
     out = {}
     for s in plan.sequences:
         g = torch.Generator().manual_seed(seed * 100_003 + s.id)
@@ -90,6 +92,8 @@ def global_tensors(
             "v": torch.randn(s.length, n_kv, head_dim, generator=g),
             "dout": torch.randn(s.length, n_q, head_dim, generator=g),
         }
+        if dtype != torch.float32:
+            out[s.id] = {k: v.to(dtype).float() for k, v in out[s.id].items()}
     return out
 
 
@@ -118,11 +122,12 @@ def local_inputs(layout, data_by_seq, fill: float = float("nan")) -> dict[str, t
         rows = []
         for slot in layout.slots:
             t = data_by_seq[slot.seq][name]
-            for a, b in slot.parts:
-                part = torch.full((b - a, *t.shape[1:]), fill)
-                real = max(0, min(b, slot.length) - a)
-                part[:real] = t[a : a + real]
-                rows.append(part)
+            part = torch.full((slot.num_local, *t.shape[1:]), fill)
+            row = 0
+            for a, b in slot.parts:  # real tokens first, padding at the end of the slot
+                part[row : row + b - a] = t[a:b]
+                row += b - a
+            rows.append(part)
         out[name] = torch.cat(rows)
     return out
 
@@ -134,15 +139,12 @@ def scatter_results(layout, results: dict[str, torch.Tensor]) -> dict[str, Any]:
     vanish when the child exits.)
     """
     seqs, positions, rows = [], [], []
+    global_positions = layout.global_positions().tolist()
     for slot in layout.slots:
-        row = slot.offset
-        for a, b in slot.parts:
-            for pos in range(a, b):
-                if pos < slot.length:
-                    seqs.append(slot.seq)
-                    positions.append(pos)
-                    rows.append(row)
-                row += 1
+        for row in range(slot.offset, slot.offset + slot.num_real):
+            seqs.append(slot.seq)
+            positions.append(global_positions[row])
+            rows.append(row)
     index = torch.tensor(rows, dtype=torch.long)
     return {
         "seq": seqs,
@@ -152,10 +154,13 @@ def scatter_results(layout, results: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def compare_with_reference(
-    plan: StepPlan, per_rank_rows: list[list], seed, n_q, n_kv, head_dim, scale=None
+    plan: StepPlan, per_rank_rows: list[list], seed, n_q, n_kv, head_dim, scale=None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
-    """Relative errors per kind; also asserts every real token came back exactly once."""
-    data = global_tensors(seed, plan, n_q, n_kv, head_dim)
+    """Relative errors per kind; also asserts every real token came back exactly once.
+
+    The float64 reference sees the inputs rounded to ``dtype`` (what the kernels saw)."""
+    data = global_tensors(seed, plan, n_q, n_kv, head_dim, dtype)
     got: dict[tuple[int, int], dict] = {}
     for rank_chunks in per_rank_rows:
         for chunk in rank_chunks:

@@ -122,9 +122,10 @@ def test_slots_follow_zigzag_layout():
                 offset,
             )
             assert slot.num_local == 2 * chunk
+            n = lengths[seq]  # real tokens of parts i and 2N-1-i, padding excluded
             assert slot.parts == (
-                (position * chunk, (position + 1) * chunk),
-                ((5 - position) * chunk, (6 - position) * chunk),
+                (min(position * chunk, n), min((position + 1) * chunk, n)),
+                (min((5 - position) * chunk, n), min((6 - position) * chunk, n)),
             )
             offset += 2 * chunk
         assert layout.num_tokens == offset == 40  # 2 * (4 + 4 + 12) rows on every member
@@ -180,7 +181,7 @@ def test_errors_are_clear():
             ),
         ),
     )
-    with pytest.raises(ValueError, match="not the zigzag share"):
+    with pytest.raises(ValueError, match=r"ring of size 1 holds the whole sequence \[0, 10\)"):
         build_micro_batch(bad, 0, 0, {0: torch.arange(10)})
     with pytest.raises(ValueError, match="appears twice"):
         make_attention_layout(Ring((0,), 0), [(1, 3), (1, 3)])

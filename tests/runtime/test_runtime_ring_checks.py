@@ -395,7 +395,9 @@ def test_bf16_output_and_grads_follow_input_dtype(results):
     for r in results:
         out = r["check_bf16_follows_dtype"]
         assert out["dtypes"] == ["torch.bfloat16"]
-        assert out["worst"] < 2e-2, out  # bf16 rounding only
+        # bf16 keeps 8 significant bits (u = 2^-8): inputs and result are rounded once each, the
+        # kernel's probabilities once more; 2u is 1.8x the worst measured (4.3e-3, ranks 0-3)
+        assert out["worst"] < 2 * 2.0**-8, out
 
 
 def test_bad_input_raises_clear_errors(results):

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from .base import AttentionBackend, Segments
+from .base import AttentionBackend, Segments, fused_kernel_reason
 
 _MIN_VERSION = (2, 7)
 _HINT = (
@@ -44,14 +44,15 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         self._fa = _import_flash_attn()
 
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    def unsupported_reason(self, device, dtype, head_dim=None):
+        return fused_kernel_reason("flash-attn", device, dtype, head_dim)
 
     @staticmethod
     def _check(q: torch.Tensor) -> None:
-        if q.shape[-1] % 8 != 0:
+        if q.shape[-1] % 8 or q.shape[-1] > 256:
             raise ValueError(
-                f"flash_attn backend needs a head dim divisible by 8, got {q.shape[-1]}"
+                f"flash_attn backend needs a head dim that is a multiple of 8 and at most 256, "
+                f"got {q.shape[-1]}"
             )
 
     def forward(self, q, k, v, segments: Segments, *, causal: bool, scale: float):

@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from .base import AttentionBackend, Segments
+from .base import AttentionBackend, Segments, fused_kernel_reason
 
 _HINT = (
     "attention backend 'te' needs transformer-engine[pytorch]>=2.0 on a CUDA device "
@@ -54,8 +54,8 @@ class TEBackend(AttentionBackend):
         bwd_parameters = inspect.signature(self._ext.fused_attn_bwd).parameters
         self._explicit_formats = "o_format" in bwd_parameters
 
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    def unsupported_reason(self, device, dtype, head_dim=None):
+        return fused_kernel_reason("Transformer Engine's fused attention", device, dtype, head_dim)
 
     # ------------------------------------------------------------------ lse format
     @staticmethod
