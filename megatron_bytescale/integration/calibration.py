@@ -1,20 +1,32 @@
-"""Calibrate the planner's cost model on the model actually being trained.
+"""Calibrate the planner's cost model on the model actually being trained, on this machine.
 
 The planner needs per-layer ``T(s) = alpha1 s^2 + beta1 s + gamma`` and ``Act(s)`` of *this*
-model on *this* machine. HDP rank 0 measures them (forward + backward of one sequence of a few
-lengths on a ring of size 1, per layer: CPU time on CPU, synchronised wall time on CUDA;
-activation bytes saved for backward, per layer) and fits :meth:`CostModel.fit`; it also times P2P exchanges between two HDP ranks for
-the ring's latency and bandwidth. Then all ranks run a few ring micro-batches together (rings of
-2 and of all ranks) and rank 0 fits the ring step overhead: what a ring costs beyond its
-kernels and the link time (on CPU, gloo copies on the same cores that compute, so rings are
-much dearer than a ping suggests, and a planner that ignores it piles rings on a few ranks).
-The fitted model is broadcast as JSON, so every rank plans with exactly the same numbers
-(plans must hash equal, D7) however noisy the measurement was.
+model on *this* device, the host link that offload uses, and the P2P link of the rings. HDP
+rank 0 measures (:func:`calibrate_cost_model`):
+
+* **decoder layers only** (:func:`time_decoder`): the embedding runs untimed, then the decoder's
+  forward and backward (from a fixed output gradient) are timed: CUDA events around them after a
+  synchronise on CUDA, CPU time of this process on CPU (ranks share cores there, and waiting for
+  one is not work). The embedding, LM head and loss are not layers, so they are not divided
+  among them;
+* **activation bytes** of the decoder's forward: on CUDA the allocator's peak minus the baseline
+  before the forward (what the device must hold); on CPU the distinct storages saved for
+  backward, parameters excluded (a view saved twice is counted once);
+* **host link** (:func:`measure_host_link`): pinned-memory D2H and H2D copies on CUDA, a copy
+  into a separate host buffer on CPU (what the CPU offload stand-in pays);
+* **P2P link** (:func:`measure_p2p_link`) between HDP ranks 0 and 1.
+
+Then all ranks run a few ring micro-batches together (rings of 2 and of all ranks) and rank 0
+fits the ring step overhead: what a ring step costs beyond its kernels and the link time. The
+fitted model is named after the device (``calibrated-nvidia-h200``, ``calibrated-cpu``) and
+broadcast as JSON, so every rank plans with exactly the same numbers (plans must hash equal,
+D7) however noisy the measurement was.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -27,10 +39,9 @@ from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.plan import PlanBuilder
 
 from .groups import HDPGroupManager
-from .schedule import hdp_forward_step
 
 if TYPE_CHECKING:
-    from megatron_bytescale.runtime import HDPGroup
+    from megatron_bytescale.runtime import HDPGroup, MicroBatchTensors
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +52,33 @@ class Calibration:
 
     cost_model: CostModel
     time_samples: tuple[tuple[int, float], ...]
+    """(sequence length, seconds per layer, forward + backward)."""
     activation_samples: tuple[tuple[int, float], ...]
+    """(sequence length, activation bytes per layer)."""
     p2p_bandwidth: float
     p2p_latency_s: float
     ring_samples: tuple[tuple[int, int, float], ...] = ()
-    """(ring size, sequence length, rank 0's CPU seconds) of the ring micro-batches measured."""
+    """(ring size, sequence length, rank 0's decoder seconds) of the ring micro-batches measured."""
+    d2h_bandwidth: float = 0.0
+    h2d_bandwidth: float = 0.0
+    device_name: str = "cpu"
+
+
+@dataclass(frozen=True)
+class DecoderMeasurement:
+    """One micro-batch through the decoder layers: best seconds (fwd + bwd) and activation bytes."""
+
+    seconds: float
+    activation_bytes: int
+
+
+def device_label(device: torch.device | str) -> str:
+    """``cpu``, or the CUDA device's name as a slug (``nvidia-h200``): names a calibration."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
 
 
 def calibrate_cost_model(
@@ -58,6 +91,7 @@ def calibrate_cost_model(
     repeats: int = 3,
     vocab_size: int = 256,
     p2p_bytes: int = 1 << 20,
+    host_bytes: int = 64 << 20,
     device: torch.device | None = None,
 ) -> Calibration:
     """Measure ``model`` on HDP rank 0, fit a :class:`CostModel`, give it to every HDP rank.
@@ -70,55 +104,55 @@ def calibrate_cost_model(
             capacity so the quadratic term is measured where it matters).
         kv_bytes_per_token: K+V bytes per token per layer a ring rotates (2 * kv heads *
             head dim * element size).
-        dkv_bytes_per_token: dK+dV bytes per token per layer on the backward ring; the runtime
-            sends them as float32 accumulators (2 * kv heads * head dim * 4). None means
-            the same as ``kv_bytes_per_token`` (right for an fp32 model).
+        dkv_bytes_per_token: dK+dV bytes per token per layer on the backward ring (float32
+            accumulators by default: 2 * kv heads * head dim * 4; the K/V size with
+            ``--bytescale-dkv-wire-dtype input``). None means the same as ``kv_bytes_per_token``.
         repeats: timings per length; the minimum is kept (least disturbed by other processes).
+        host_bytes: size of the host-link copies.
+        device: where micro-batches are built (default: the model's parameters' device).
     """
     hdp = manager.hdp
+    device = device if device is not None else _model_device(model)
     layers = int(model.config.num_layers)
     payload: list = [None]
     bandwidth, latency = measure_p2p_link(hdp, num_bytes=p2p_bytes)
+    cost_model = None
     if hdp.rank == 0:
-        time_samples, activation_samples = _measure(
-            model,
-            manager,
-            lengths=lengths,
-            repeats=repeats,
-            vocab_size=vocab_size,
-            layers=layers,
-            device=device,
+        time_samples, activation_samples = measure_layer_costs(
+            model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device
         )
+        d2h, h2d = measure_host_link(device, num_bytes=host_bytes)
+        label = device_label(device)
         cost_model = CostModel.fit(
             time_samples,
             activation_samples,
-            name="calibrated-cpu",
+            name=f"calibrated-{label}",
             num_layers=layers,
-            d2h_bandwidth=10e9,
-            h2d_bandwidth=10e9,
+            d2h_bandwidth=d2h,
+            h2d_bandwidth=h2d,
             kv_bytes_per_token=float(kv_bytes_per_token),
             dkv_bytes_per_token=None if dkv_bytes_per_token is None else float(dkv_bytes_per_token),
             p2p_bandwidth_intra=bandwidth,
             p2p_bandwidth_inter=bandwidth,
             p2p_latency_s=latency,
             ranks_per_node=hdp.size,
-            source=f"calibrated on HDP rank 0 at lengths {list(lengths)}",
+            source=f"calibrated on HDP rank 0 ({label}) at lengths {sorted(set(lengths))}",
         )
-    else:
-        cost_model = None
     ring_samples, overhead = _measure_ring_overhead(
         model, manager, cost_model, lengths=lengths, repeats=repeats, vocab_size=vocab_size,
         layers=layers, device=device,
     )  # fmt: skip
     if hdp.rank == 0:
-        cost_model = cost_model.with_(ring_step_overhead_s=overhead)
         payload[0] = {
-            "cost_model": cost_model.to_dict(),
+            "cost_model": cost_model.with_(ring_step_overhead_s=overhead).to_dict(),
             "time": time_samples,
             "activation": activation_samples,
             "bandwidth": bandwidth,
             "latency": latency,
             "rings": ring_samples,
+            "d2h": d2h,
+            "h2d": h2d,
+            "device": label,
         }
     if hdp.size > 1:
         dist.broadcast_object_list(payload, src=hdp.global_rank(0), group=hdp.group)
@@ -130,76 +164,159 @@ def calibrate_cost_model(
         p2p_bandwidth=float(data["bandwidth"]),
         p2p_latency_s=float(data["latency"]),
         ring_samples=tuple(tuple(x) for x in data["rings"]),
+        d2h_bandwidth=float(data["d2h"]),
+        h2d_bandwidth=float(data["h2d"]),
+        device_name=str(data["device"]),
     )
 
 
-def _measure(
+# ----------------------------------------------------------------------------- layers
+
+
+def single_sequence_micro_batch(
+    manager: HDPGroupManager,
+    ring: Sequence[int],
+    tokens: torch.Tensor,
+    *,
+    device: torch.device | None = None,
+) -> "MicroBatchTensors":
+    """This rank's micro-batch of ONE sequence (``tokens``) carried by ``ring`` (HDP ranks)."""
+    from megatron_bytescale.runtime import build_micro_batch
+
+    length = int(tokens.numel())
+    builder = PlanBuilder(hdp_size=manager.hdp.size, capacity=length, lengths={0: length})
+    builder.add(list(ring), [0])
+    plan = builder.build(scheduler="calibration")
+    return build_micro_batch(plan, manager.hdp, 0, {0: tokens}, device=device)
+
+
+def measure_layer_costs(
     model: torch.nn.Module,
     manager: HDPGroupManager,
     *,
     lengths: Sequence[int],
-    repeats: int,
-    vocab_size: int,
-    layers: int,
-    device: torch.device | None,
+    repeats: int = 3,
+    vocab_size: int = 256,
+    device: torch.device | None = None,
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    from megatron_bytescale.runtime import build_micro_batch
+    """Per-layer ``(length, seconds)`` and ``(length, activation bytes)`` of one sequence per length.
 
-    hdp = manager.hdp
+    Each sequence runs on this rank alone (a ring of size 1), through :func:`time_decoder`.
+    """
     generator = torch.Generator().manual_seed(1234)
+    layers = int(model.config.num_layers)
     time_samples: list[tuple[int, float]] = []
     activation_samples: list[tuple[int, float]] = []
     for length in sorted(set(int(n) for n in lengths)):
         tokens = torch.randint(0, vocab_size, (length,), generator=generator)
-        builder = PlanBuilder(hdp_size=hdp.size, capacity=length, lengths={0: length})
-        builder.add([hdp.rank], [0])
-        plan = builder.build(scheduler="calibration")
-        micro_batch = build_micro_batch(plan, hdp, 0, {0: tokens}, device=device)
-        best, saved = _time_micro_batch(model, manager, micro_batch, repeats=repeats)
-        time_samples.append((length, best / layers))
-        activation_samples.append((length, saved / layers))
-        logger.info("calibration: %d tokens -> %.4f s per layer (fwd+bwd)", length, best / layers)
+        micro_batch = single_sequence_micro_batch(manager, [manager.hdp.rank], tokens, device=device)
+        measured = time_decoder(model, manager, micro_batch, repeats=repeats)
+        time_samples.append((length, measured.seconds / layers))
+        activation_samples.append((length, measured.activation_bytes / layers))
+        logger.info(
+            "calibration: %d tokens -> %.4f s and %.1f MB of activations per layer (fwd+bwd)",
+            length, measured.seconds / layers, measured.activation_bytes / layers / 1e6,
+        )  # fmt: skip
     return time_samples, activation_samples
 
 
-def _time_micro_batch(
-    model: torch.nn.Module, manager: HDPGroupManager, micro_batch, *, repeats: int
-) -> tuple[float, int]:
-    """Best CPU seconds of forward + backward of one micro-batch, and the bytes saved for backward.
+def time_decoder(
+    model: torch.nn.Module,
+    manager: HDPGroupManager,
+    micro_batch: "MicroBatchTensors",
+    *,
+    repeats: int = 3,
+) -> DecoderMeasurement:
+    """Best time of the decoder layers' forward + backward on ``micro_batch``, and its activations.
 
-    The first run is not counted: it warms up allocators and caches.
+    The embedding runs without grad and untimed; its output (detached, requiring grad) feeds the
+    decoder, whose output gets a fixed gradient. The first run warms allocators and caches and
+    is not counted. ``model`` is a (bare) ``ByteScaleGPTModel``; its gradients are cleared.
     """
-    best = float("inf")
-    saved = [0]
-    for attempt in range(repeats + 1):
-        saved[0] = 0
+    inner = _unwrap(model)
+    tokens = micro_batch.tokens.reshape(1, -1)
+    positions = micro_batch.position_ids.reshape(1, -1)
+    on_cuda = micro_batch.tokens.device.type == "cuda"
+    best, activation = float("inf"), 0
+    with manager.bind(micro_batch):
+        for attempt in range(repeats + 1):
+            with torch.no_grad():
+                hidden = inner.embedding(input_ids=tokens, position_ids=positions)
+            hidden = hidden.detach().requires_grad_(True)
+            rotary = (
+                inner.rotary_for_positions(positions)
+                if inner.position_embedding_type == "rope"
+                else None
+            )
+            grad = torch.ones_like(hidden)
+            seconds, held = (
+                _run_decoder_cuda(inner, hidden, rotary, grad)
+                if on_cuda
+                else _run_decoder_cpu(inner, hidden, rotary, grad, count=attempt == 0)
+            )
+            if attempt == 0:
+                activation = held
+            else:
+                best = min(best, seconds)
+    inner.zero_grad(set_to_none=True)
+    return DecoderMeasurement(seconds=best, activation_bytes=int(activation))
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[0] += t.numel() * t.element_size()
-            return t
 
-        start = _busy_clock(micro_batch.tokens.device)
-        with manager.bind(micro_batch), torch.autograd.graph.saved_tensors_hooks(
-            pack, lambda t: t
-        ):
-            output, loss_func = hdp_forward_step(iter([micro_batch]), model)
-            loss, _, _ = loss_func(output)
-        loss.backward()
-        elapsed = _busy_clock(micro_batch.tokens.device) - start
-        if attempt:
-            best = min(best, elapsed)
-    model.zero_grad(set_to_none=True)
-    return best, saved[0]
+def _run_decoder_cuda(inner, hidden, rotary, grad) -> tuple[float, int]:
+    device = hidden.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+    peak = torch.cuda.max_memory_allocated(device)  # the allocator counts at allocation time
+    out.backward(grad)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, peak - baseline
 
 
-def _busy_clock(device: torch.device) -> float:
-    """Seconds for timing work on ``device``: CPU time of this process on the CPU (4 ranks may
-    share 2 cores, and waiting for a core is not work), wall time after a device synchronise on
-    CUDA (kernels run asynchronously; the host would only see launch time)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return time.process_time()
+def _run_decoder_cpu(inner, hidden, rotary, grad, *, count: bool) -> tuple[float, int]:
+    saved: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in inner.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            saved.setdefault(ptr, storage.nbytes())
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count else None
+    start = time.process_time()
+    if hooks is not None:
+        with hooks:
+            out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+    else:
+        out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+    out.backward(grad)
+    return time.process_time() - start, sum(saved.values())
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "decoder") or not hasattr(model, "embedding"):
+        raise TypeError(
+            f"calibration needs a GPT model with .embedding and .decoder (a ByteScaleGPTModel), "
+            f"got {type(model).__name__}"
+        )
+    return model
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- rings
 
 
 def _measure_ring_overhead(
@@ -217,18 +334,17 @@ def _measure_ring_overhead(
 
     Collective: every rank calls it (ranks outside a ring skip that case). Each case carries one
     sequence of ``D * n`` tokens for ``n`` = half and all of the longest calibration length
-    (capped so the sequence fits the model's positions), so every member holds ``n`` tokens. Rank 0 returns the least-squares overhead per ring step per
-    layer: ``sum(measured - predicted) / sum(layers * (D - 1))`` with ``predicted`` from
-    ``fitted`` (no overhead), clipped at 0; other ranks return 0.0 and no samples.
+    (capped so the sequence fits the model's positions), so every member holds ``n`` tokens.
+    Rank 0 returns the least-squares overhead per ring step per layer:
+    ``sum(measured - predicted) / sum(layers * (D - 1))`` with ``predicted`` from ``fitted``
+    (no overhead), clipped at 0; other ranks return 0.0 and no samples.
     """
-    from megatron_bytescale.runtime import build_micro_batch
-
     hdp = manager.hdp
     if hdp.size < 2:
         return [], 0.0
     generator = torch.Generator().manual_seed(4321)
     longest = max(int(n) for n in lengths)
-    max_positions = int(getattr(model, "max_sequence_length", 0) or 0)
+    max_positions = int(getattr(_unwrap(model), "max_sequence_length", 0) or 0)
     samples: list[tuple[int, int, float]] = []
     for ring_size in sorted({2, hdp.size}):
         per_rank_max = min(longest, max_positions // ring_size) if max_positions else longest
@@ -237,12 +353,11 @@ def _measure_ring_overhead(
             tokens = torch.randint(0, vocab_size, (length,), generator=generator)
             if hdp.rank >= ring_size:
                 continue
-            builder = PlanBuilder(hdp_size=hdp.size, capacity=length, lengths={0: length})
-            builder.add(range(ring_size), [0])
-            plan = builder.build(scheduler="calibration")
-            micro_batch = build_micro_batch(plan, hdp, 0, {0: tokens}, device=device)
-            best, _ = _time_micro_batch(model, manager, micro_batch, repeats=repeats)
-            samples.append((ring_size, length, best))
+            micro_batch = single_sequence_micro_batch(
+                manager, range(ring_size), tokens, device=device
+            )
+            measured = time_decoder(model, manager, micro_batch, repeats=repeats)
+            samples.append((ring_size, length, measured.seconds))
     if hdp.rank != 0 or fitted is None:
         return [], 0.0
     excess = steps = 0.0
@@ -253,6 +368,50 @@ def _measure_ring_overhead(
     overhead = max(0.0, excess / steps)
     logger.info("calibration: ring step overhead %.2f ms per layer", overhead * 1e3)
     return samples, overhead
+
+
+# ----------------------------------------------------------------------------- links
+
+
+def measure_host_link(
+    device: torch.device | str, *, num_bytes: int = 64 << 20, repeats: int = 3
+) -> tuple[float, float]:
+    """``(d2h, h2d)`` bytes/s between ``device`` and host memory, best of ``repeats``.
+
+    CUDA: copies between a device buffer and a pinned host buffer, timed with CUDA events (the
+    PCIe/C2C link that activation offload uses). CPU: a copy into a separate host buffer, which
+    is what the CPU offload stand-in does instead.
+    """
+    device = torch.device(device)
+    num_bytes = max(1, int(num_bytes))
+    if device.type != "cuda":
+        src = torch.ones(num_bytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        rate = num_bytes / max(best, 1e-9)
+        return rate, rate
+    host = torch.ones(num_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    def best_copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
+        best = float("inf")
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return best
+
+    h2d = num_bytes / max(best_copy_s(dev, host), 1e-9)
+    d2h = num_bytes / max(best_copy_s(host, dev), 1e-9)
+    return d2h, h2d
 
 
 def measure_p2p_link(

@@ -32,6 +32,24 @@ DkvWire = Literal["accumulator", "input"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
 
 
+class RefusedArguments(ValueError):
+    """Every reason why ``--bytescale-hdp`` cannot run with the arguments given, at once.
+
+    ``reasons`` holds one sentence per refused argument, each saying what is unsupported and
+    what to do; the message lists them all, so a user fixes the command line in one go.
+    """
+
+    def __init__(self, reasons: "list[str] | tuple[str, ...]") -> None:
+        self.reasons = tuple(reasons)
+        if len(self.reasons) == 1:
+            message = self.reasons[0]
+        else:
+            message = f"--bytescale-hdp cannot run with these {len(self.reasons)} arguments:\n" + (
+                "\n".join(f"  - {reason}" for reason in self.reasons)
+            )
+        super().__init__(message)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ByteScaleConfig:
     """Everything the plugin needs to know beyond Megatron's own arguments."""

@@ -31,11 +31,16 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from .config import RefusedArguments
+
 if TYPE_CHECKING:  # runtime types, imported lazily at run time
     from megatron_bytescale.runtime import CommCounters, HDPGroup, MicroBatchTensors
 
 logger = logging.getLogger(__name__)
 
+PP_SCHEDULE_ISSUE = (
+    "the HDP training step runs a single pipeline stage; run with --pipeline-model-parallel-size 1"
+)
 VIRTUAL_PIPELINE_REASON = (
     "Megatron's interleaved schedule runs micro-batches in groups of at least PP per model "
     "chunk (the count must be >= PP and fit microbatch_group_size_per_vp_stage), while every "
@@ -67,62 +72,71 @@ class HDPParallelLayout:
     num_query_groups: Optional[int] = None
 
     def __post_init__(self) -> None:
+        reasons = self.refusals()
+        if reasons:
+            raise RefusedArguments(reasons)
+
+    def refusals(self) -> list[str]:
+        """Every reason this layout cannot be served (empty when it can)."""
+        reasons = []
         if self.world_size < 1:
-            raise ValueError(f"world size ({self.world_size}) must be >= 1")
+            reasons.append(f"world size ({self.world_size}) must be >= 1")
         if self.context_parallel_size != 1:
-            raise ValueError(
+            reasons.append(
                 f"--context-parallel-size {self.context_parallel_size} cannot be combined with "
                 "--bytescale-hdp: HDP replaces Megatron's static context parallelism. Run with "
                 "--context-parallel-size 1; the ranks go to the HDP (data-parallel) group, and "
                 "long sequences get rings of the size they need"
             )
         if self.hybrid_context_parallel:
-            raise ValueError(
+            reasons.append(
                 "--hybrid-context-parallel cannot be combined with --bytescale-hdp: both plan "
                 "per-sequence rings over the DP x CP ranks; use one of them (ByteScale's rings "
                 "are of any size on any ranks, Megatron's are aligned powers of two)"
             )
+        sizes_ok = True
         for name, value in (
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
         ):
             if value < 1:
-                raise ValueError(f"{name} ({value}) must be >= 1")
+                sizes_ok = False
+                reasons.append(f"{name} ({value}) must be >= 1")
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
-            raise ValueError(
+            reasons.append(
                 "interleaved pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                 "--num-virtual-stages-per-pipeline-rank, here "
                 f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
                 f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
             )
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
+        if self.pipeline_model_parallel_size > 1:
+            reasons.append(
                 f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} cannot be "
-                "combined with --bytescale-hdp in this version; run with "
-                "--pipeline-model-parallel-size 1"
+                f"combined with --bytescale-hdp: {PP_SCHEDULE_ISSUE}"
             )
         if self.expert_model_parallel_size != 1:
-            raise ValueError(
+            reasons.append(
                 f"--expert-model-parallel-size {self.expert_model_parallel_size} cannot be "
-                "combined with --bytescale-hdp: MoE expert parallelism has not been validated "
-                "with HDP; run with --expert-model-parallel-size 1"
+                "combined with --bytescale-hdp: HDP does not train mixture-of-experts models; "
+                "run with --expert-model-parallel-size 1"
             )
         tp = self.tensor_model_parallel_size
         for flag, count in (
             ("--num-attention-heads", self.num_attention_heads),
             ("--num-query-groups", self.num_query_groups),
         ):
-            if count is not None and count % tp:
-                raise ValueError(
+            if sizes_ok and count is not None and count % tp:
+                reasons.append(
                     f"{flag} {count} is not divisible by --tensor-model-parallel-size {tp}: "
                     "every TP rank runs the ring attention on its own share of the heads; "
                     "choose a TP size that divides the attention heads and the query groups"
                 )
         model_parallel = tp * self.pipeline_model_parallel_size
-        if self.world_size % model_parallel:
-            raise ValueError(
+        if sizes_ok and self.world_size >= 1 and self.world_size % model_parallel:
+            reasons.append(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
             )
+        return reasons
 
     @property
     def hdp_size(self) -> int:

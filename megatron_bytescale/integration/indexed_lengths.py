@@ -9,6 +9,8 @@ so a document's length is the sum of its sequences' lengths. Only the index file
 from __future__ import annotations
 
 import logging
+import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,28 +43,51 @@ def read_indexed_lengths(path: str | Path, *, multimodal: bool = False) -> np.nd
     if not idx.is_file():
         raise ValueError(f"Megatron index file {str(idx)!r} does not exist")
     try:
-        from megatron.core.datasets.indexed_dataset import _IndexReader
+        with warnings.catch_warnings():  # megatron.core warns about TE/apex on import
+            warnings.simplefilter("ignore", UserWarning)
+            from megatron.core.datasets.indexed_dataset import _IndexReader
     except ImportError as exc:  # pragma: no cover - megatron-core is a dependency
         raise ImportError(
             "reading .idx lengths needs megatron-core; pip install 'megatron-core>=0.16.1'"
         ) from exc
     try:
         reader = _IndexReader(str(idx), multimodal)
-    except (AssertionError, ValueError, OSError, KeyError) as exc:
-        raise ValueError(f"{str(idx)!r} is not a readable Megatron index file: {exc}") from exc
+    except (AssertionError, ValueError, OSError, KeyError, IndexError, struct.error) as exc:
+        raise ValueError(
+            f"{str(idx)!r} is not a readable Megatron index file (truncated or not an index: "
+            f"{exc or type(exc).__name__})"
+        ) from exc
     try:
         # copies: the reader unmaps the file when it goes away, and views would then dangle
         seq = np.array(reader.sequence_lengths, dtype=np.int64, copy=True)
         bounds = np.array(reader.document_indices, dtype=np.int64, copy=True)
     finally:
         del reader
+    return document_lengths(seq, bounds, name=str(idx))
+
+
+def document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, *, name: str) -> np.ndarray:
+    """Lengths of the non-empty documents of an index, checked: a negative sequence length or
+    document indices that do not partition the sequences mean a corrupt index, never a
+    document to leave out quietly.
+    """
+    seq = np.asarray(sequence_lengths, dtype=np.int64)
+    bounds = np.asarray(document_indices, dtype=np.int64)
     if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != len(seq) or np.any(np.diff(bounds) < 0):
-        raise ValueError(f"{str(idx)!r}: document indices do not partition its {len(seq)} sequences")
+        raise ValueError(f"{name!r}: document indices do not partition its {len(seq)} sequences "
+                         "(a corrupt index; write it again with Megatron's preprocess_data.py)")
+    negative = np.flatnonzero(seq < 0)
+    if len(negative):
+        i = int(negative[0])
+        raise ValueError(
+            f"{name!r}: sequence {i} has a negative length ({int(seq[i])}); {len(negative)} such "
+            "sequence(s): the index is corrupt, write it again with Megatron's preprocess_data.py"
+        )
     if len(seq) == 0:
         return np.zeros(0, dtype=np.int64)
     csum = np.concatenate([[0], np.cumsum(seq)])
     docs = csum[bounds[1:]] - csum[bounds[:-1]]
-    empty = int(np.sum(docs <= 0))
+    empty = int(np.sum(docs == 0))
     if empty:
-        logger.info("%s: skipped %d empty document(s)", idx, empty)
+        logger.info("%s: skipped %d empty document(s)", name, empty)
     return docs[docs > 0]

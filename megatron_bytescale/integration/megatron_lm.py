@@ -8,7 +8,9 @@ with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unch
   :func:`wrap_forward_step` and :func:`chain_extra_args_provider`;
 * ``arguments.validate_args`` starts with :func:`check_args` (refuse what HDP cannot serve,
   naming the flag) and ends with :func:`validate_args` (turn on
-  ``--calculate-per-token-loss``, fill capacity and context defaults);
+  ``--calculate-per-token-loss``, fill capacity and context defaults). Both check every
+  argument and report every refusal at once, printed by rank 0 only, then exit with status 2
+  on every rank (no traceback per rank); :func:`hdp_refusals` returns the same list;
 * ``training.train`` and ``training.evaluate`` use :func:`hdp_forward_backward` as their
   ``forward_backward_func``. ``train_step`` calls it once per step with Megatron's fixed
   ``num_microbatches``; it takes the step's plan from the data iterator instead and runs *this*
@@ -24,11 +26,14 @@ hooks that need Megatron's global args.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Optional
+import os
+import sys
+from typing import Any, Callable, Iterator, Optional
 
-from .config import ByteScaleConfig, add_bytescale_args, flag_name
+from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name
 from .groups import HDPParallelLayout
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
@@ -41,6 +46,7 @@ __all__ = [
     "extra_args_provider",
     "forward_step",
     "hdp_forward_backward",
+    "hdp_refusals",
     "validate_args",
     "wrap_datasets_provider",
     "wrap_forward_step",
@@ -108,34 +114,58 @@ def check_args(args: Any) -> Optional[HDPParallelLayout]:
 
     Called at the *start* of Megatron's ``validate_args``, so that a request for static CP,
     hybrid CP or PP gets this message rather than one of Megatron's own CP/PP assertions.
+    Every refusal is reported at once by rank 0, then every rank exits with status 2.
     """
     if not getattr(args, "bytescale_hdp", False):
         return None
-    return _check_hdp_args(args)
+    with _exit_on_refusal(args):
+        return _check_hdp_args(args)
+
+
+def hdp_refusals(args: Any) -> list[str]:
+    """Every reason ``--bytescale-hdp`` cannot run with Megatron's ``args`` (empty if it can).
+
+    Checks what :func:`check_args` and :func:`validate_args` check, without changing ``args``.
+    """
+    if not getattr(args, "bytescale_hdp", False):
+        return []
+    try:
+        _validated_config(args, explicit_capacity=True)
+    except RefusedArguments as exc:
+        return list(exc.reasons)
+    return []
 
 
 def _check_hdp_args(args: Any) -> HDPParallelLayout:
-    layout = HDPParallelLayout.from_megatron_args(args)
-    if layout.tensor_model_parallel_size != 1:
-        raise ValueError(
+    """The layout, or :class:`RefusedArguments` listing every refused argument."""
+    reasons: list[str] = []
+    layout: Optional[HDPParallelLayout] = None
+    try:
+        layout = HDPParallelLayout.from_megatron_args(args)
+    except RefusedArguments as exc:
+        reasons += exc.reasons
+    if layout is not None and layout.tensor_model_parallel_size != 1:
+        reasons.append(
             f"--tensor-model-parallel-size {layout.tensor_model_parallel_size} cannot be combined "
-            "with --bytescale-hdp in pretrain_gpt.py of this version (megatron-core loops can "
-            "use it: see docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
+            "with --bytescale-hdp in pretrain_gpt.py (megatron-core loops can use it: see "
+            "docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
         )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
-            raise ValueError(f"{flag} cannot be combined with --bytescale-hdp: {why}")
+            reasons.append(f"{flag} cannot be combined with --bytescale-hdp: {why}")
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
-        raise ValueError(
+        reasons.append(
             f"--attention-dropout {args.attention_dropout} is not supported with --bytescale-hdp "
             "(the ring attention has no dropout); pass --attention-dropout 0.0"
         )
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
-        raise ValueError(f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
-                         "--bytescale-hdp: micro-batch shapes change every step")
+        reasons.append(f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
+                       "--bytescale-hdp: micro-batch shapes change every step")
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
-        raise ValueError("--transformer-impl inference_optimized cannot be used for HDP training")
-    _check_data_flags(args)
+        reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
+    reasons += _data_flag_refusals(args)
+    if reasons or layout is None:
+        raise RefusedArguments(reasons)
     return layout
 
 
@@ -146,10 +176,13 @@ def validate_args(args: Any) -> ByteScaleConfig:
     friends). Runs :func:`check_args`, then sets ``calculate_per_token_loss`` (ranks train
     different numbers of tokens), ``dataloader_type = 'external'`` (the data comes from
     :func:`build_hdp_data_iterators`) and the capacity / context defaults, and checks them.
+    Every refusal is reported at once by rank 0, then every rank exits with status 2.
     """
     if not getattr(args, "bytescale_hdp", False):
         return ByteScaleConfig(hdp=False)
-    layout = _check_hdp_args(args)
+    explicit_capacity = args.bytescale_capacity is not None
+    with _exit_on_refusal(args):
+        config = _validated_config(args, explicit_capacity=explicit_capacity)
     if not args.calculate_per_token_loss:
         logger.info("--bytescale-hdp turns on --calculate-per-token-loss")
         args.calculate_per_token_loss = True
@@ -157,38 +190,96 @@ def validate_args(args: Any) -> ByteScaleConfig:
         logger.warning("--bytescale-hdp replaces --dataloader-type %s with its own global-batch "
                        "iterator", args.dataloader_type)
     args.dataloader_type = "external"
-    explicit_capacity = args.bytescale_capacity is not None
-    config = ByteScaleConfig.from_args(args)
     if not explicit_capacity:
         logger.warning(
             "%s defaults to --seq-length (%s): every document fits on one rank, so HDP only "
             "packs; set it below the context length to split long documents over rings",
             flag_name("capacity"), config.capacity,
         )  # fmt: skip
+    seq_length = getattr(args, "seq_length", None)
+    if explicit_capacity and seq_length and config.capacity > int(seq_length) and _is_rank0(args):
+        logger.warning(
+            "%s (%d) is larger than --seq-length (%s): no sequence is longer than one rank's "
+            "capacity, so no ring ever forms and HDP only packs short sequences together. Set "
+            "it below --seq-length to split long sequences over rings",
+            flag_name("capacity"), config.capacity, seq_length,
+        )  # fmt: skip
     args.bytescale_capacity = config.capacity
     args.bytescale_context_length = config.context_length
-    capacity, context = config.require_capacity(), int(config.context_length or 0)
-    if not config.offload and context > capacity * layout.hdp_size:
-        raise ValueError(
-            f"{flag_name('context_length')} {context} needs {-(-context // capacity)} ranks of "
-            f"{flag_name('capacity')} {capacity} tokens, but there are {layout.hdp_size} HDP "
-            "ranks; raise the capacity, use more ranks or shorten the context"
-        )
-    max_positions = getattr(args, "max_position_embeddings", None)
-    if max_positions is not None and context > max_positions:
-        raise ValueError(
-            f"{flag_name('context_length')} {context} is longer than --max-position-embeddings "
-            f"{max_positions}: tokens are placed at their position in the original document"
-        )
     return config
 
 
-def _check_data_flags(args: Any) -> None:
+def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
+    """The config of ``args`` after every check; :class:`RefusedArguments` lists all failures."""
+    reasons: list[str] = []
+    layout: Optional[HDPParallelLayout] = None
+    try:
+        layout = _check_hdp_args(args)
+    except RefusedArguments as exc:
+        reasons += exc.reasons
+    config: Optional[ByteScaleConfig] = None
+    try:
+        config = ByteScaleConfig.from_args(args)
+    except ValueError as exc:
+        reasons.append(str(exc))
+    if config is not None:
+        try:
+            capacity, context = config.require_capacity(), int(config.context_length or 0)
+        except ValueError as exc:
+            reasons.append(str(exc))
+        else:
+            if layout is not None and not config.offload and context > capacity * layout.hdp_size:
+                reasons.append(
+                    f"{flag_name('context_length')} {context} needs {-(-context // capacity)} "
+                    f"ranks of {flag_name('capacity')} {capacity} tokens, but there are "
+                    f"{layout.hdp_size} HDP ranks; raise the capacity, use more ranks or shorten "
+                    "the context"
+                )
+            max_positions = getattr(args, "max_position_embeddings", None)
+            if max_positions is not None and context > max_positions:
+                reasons.append(
+                    f"{flag_name('context_length')} {context} is longer than "
+                    f"--max-position-embeddings {max_positions}: tokens are placed at their "
+                    "position in the original document"
+                )
+    if reasons or config is None:
+        raise RefusedArguments(reasons)
+    return config
+
+
+def _is_rank0(args: Any) -> bool:
+    rank = getattr(args, "rank", None)
+    if rank is None:
+        rank = os.environ.get("RANK", "0")
+    return int(rank) == 0
+
+
+@contextlib.contextmanager
+def _exit_on_refusal(args: Any) -> Iterator[None]:
+    """Turn :class:`RefusedArguments` into one report on rank 0 and exit status 2 everywhere.
+
+    The hooks run on every rank before ``torch.distributed`` is up, so an exception would
+    print one traceback per rank; the report is the same on every rank, so rank 0 prints it.
+    """
+    try:
+        yield
+    except RefusedArguments as exc:
+        if _is_rank0(args):
+            print(f"megatron_bytescale: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _data_flag_refusals(args: Any) -> list[str]:
     if getattr(args, "mock_data", False):
-        return
+        return []
     if not getattr(args, "data_path", None):
-        raise ValueError("--bytescale-hdp needs --data-path [WEIGHT] PREFIX [[WEIGHT] PREFIX ...] or --mock-data")
-    blend_weights(args)  # a weighted blend: valid weights (shares of tokens)
+        return ["--bytescale-hdp needs --data-path [WEIGHT] PREFIX [[WEIGHT] PREFIX ...] or "
+                "--mock-data"]
+    try:
+        blend_weights(args)  # a weighted blend: valid weights (shares of tokens)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 # ----------------------------------------------------------------------------- groups, model

@@ -72,9 +72,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .plan import MAX_SEQUENCE_LENGTH
+
 logger = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
+_MAX_COST_MODEL_BYTES = 2**20
 
 @dataclass(frozen=True)
 class RingTimeTerms:
@@ -154,17 +157,17 @@ class CostModel:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"cost model {self.name!r}: num_layers ({self.num_layers!r}) must be an integer >= 1")
-        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ValueError(f"cost model {self.name!r}: ranks_per_node ({self.ranks_per_node!r}) must be an integer >= 1")
+        for name in ("num_layers", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
         if self.dkv_bytes_per_token is not None and not (
-            isinstance(self.dkv_bytes_per_token, (int, float)) and self.dkv_bytes_per_token >= 0
+            _is_number(self.dkv_bytes_per_token) and self.dkv_bytes_per_token >= 0
         ):
             raise ValueError(f"cost model {self.name!r}: dkv_bytes_per_token ({self.dkv_bytes_per_token!r}) must be >= 0 or None")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be a finite number >= 0")
         for name in ("d2h_bandwidth", "h2d_bandwidth", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "alpha2"):
             if getattr(self, name) <= 0:
@@ -180,6 +183,33 @@ class CostModel:
         for name in ("attention_forward_fraction", "forward_fraction"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be in (0, 1)")
+        self._check_no_overflow()
+
+    def _check_no_overflow(self) -> None:
+        """Refuse coefficients so large that the planner's sums would overflow to inf (and
+        then print NaN): the costs of the longest sequence the planner accepts, over every layer
+        and a million micro-batches, must stay finite."""
+        s = float(MAX_SEQUENCE_LENGTH)
+        headroom = float(self.num_layers) * 2.0**20
+        kv = self.kv_bytes_per_token + self.dkv_bytes
+        terms = (
+            ("alpha1", self.alpha1 * s * s),
+            ("beta1", self.beta1 * s),
+            ("gamma", self.gamma),
+            ("alpha2", self.alpha2 * s),
+            ("alpha2", self.alpha2 * s / self.offload_bandwidth),
+            ("beta2", self.beta2 / self.offload_bandwidth),
+            ("kv_bytes_per_token", kv * s / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
+            ("p2p_latency_s", self.p2p_latency_s + self.ring_step_overhead_s),
+        )
+        for name, value in terms:
+            if not math.isfinite(value * headroom):
+                raise ValueError(
+                    f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) is out of range: "
+                    f"the cost of a {MAX_SEQUENCE_LENGTH}-token sequence would overflow (check it "
+                    "and the bandwidths). Coefficients are per layer, in seconds, bytes and "
+                    "bytes/s; on a GPU alpha1 is about 1e-12 s/token^2, beta1 about 1e-7 s/token"
+                )
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -250,6 +280,13 @@ class CostModel:
         unknown = sorted(set(data) - known - {"version"})
         if unknown:
             raise ValueError(f"cost model JSON has unknown fields {unknown}; known: {sorted(known)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(
+                f"cost model JSON lacks the fields {missing}; write it with CostModel.save (e.g. "
+                "the cost_model.json of a bytescale demo run), which stores every field"
+            )
         return cls(**{k: v for k, v in data.items() if k != "version"})
 
     def save(self, path: str | Path) -> None:
@@ -259,14 +296,25 @@ class CostModel:
     def load(cls, path: str | Path) -> "CostModel":
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            with p.open("rb") as handle:
+                raw = handle.read(_MAX_COST_MODEL_BYTES + 1)
         except OSError as exc:
             raise ValueError(f"cannot read cost model file {str(p)!r}: {exc.strerror or exc}") from exc
+        if len(raw) > _MAX_COST_MODEL_BYTES:
+            raise ValueError(f"cost model file {str(p)!r} is over 1 MiB: not a CostModel.save file")
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"cost model file {str(p)!r} is not text (a binary file?); expected the JSON "
+                "written by CostModel.save"
+            ) from None
+        except ValueError as exc:  # JSONDecodeError, or an absurdly long number
+            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost model file {str(p)!r}: {exc}") from None
 
     # ------------------------------------------------------------------ per layer
     def layer_time(self, s: Any) -> Any:
@@ -420,6 +468,11 @@ class CostModel:
     def with_(self, **changes: Any) -> "CostModel":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, not a bool (JSON ``true`` must not pass for 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _samples_array(samples: Iterable[Sequence[float]], what: str) -> np.ndarray:

@@ -100,7 +100,12 @@ def ring_size_without_offload(length: int, *, capacity: int, cost_model: CostMod
     act_c = cost_model.activation_bytes(capacity)
     d = max(1, math.ceil(act_s / act_c - _EPS))
     d = max(d, -(-length // capacity))  # a member can never hold more than C real tokens
+    # from ceil(length / align) ranks on, every part is one align-sized chunk and a member holds
+    # at most min(align, length) real tokens, whatever the ring size: search no further
+    last = max(d, -(-length // align))
     while not fits_on_ring(length, d, capacity=capacity, layers=layers, offload_ratio=0.0, align=align):
+        if d >= last:
+            raise ValueError(no_ring_fits(length, capacity, align))
         d += 1
     return d
 
@@ -124,6 +129,15 @@ def fits_host_memory(length: int, ring_size: int, offload_ratio: float, *, layer
     need = in_flight * host_bytes_per_member(length, ring_size, offload_ratio, layers=layers,
                                              cost_model=cost_model, align=align)
     return need <= budget * (1.0 + _EPS)
+
+
+def no_ring_fits(length: int, capacity: int, align: int) -> str:
+    """Why a sequence fits no ring at all (only when align > capacity)."""
+    return (
+        f"a sequence of {length} tokens fits no ring: every zigzag part is padded to a multiple "
+        f"of align ({align}) tokens, more than the capacity ({capacity}); use an align <= the "
+        "capacity"
+    )
 
 
 def minimal_ratio_for_ring(

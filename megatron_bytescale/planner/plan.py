@@ -32,6 +32,10 @@ from .zigzag import Span, zigzag_split, zigzag_split_from_shares
 
 PLAN_VERSION = 1
 
+MAX_SEQUENCE_LENGTH = 2**40
+"""The longest sequence the planner accepts (1.1e12 tokens): far beyond any context, and small
+enough that lengths, their sums and squares stay exact in int64 and finite in float64."""
+
 
 class PlanError(ValueError):
     """A plan breaks an invariant; the message names the invariant and the ids involved."""

@@ -90,6 +90,15 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
+        tp = self.tensor_parallel_size
+        if not _tp_fits(tp, self.num_attention_heads, self.num_query_groups):
+            choices = [d for d in range(1, self.num_attention_heads + 1)
+                       if _tp_fits(d, self.num_attention_heads, self.num_query_groups)]
+            raise ValueError(
+                f"model {self.name!r}: tensor_parallel_size ({tp}) must divide the attention heads "
+                f"({self.num_attention_heads}) and be a divisor or multiple of the KV groups "
+                f"({self.num_query_groups}), as Megatron requires; choose one of {choices}"
+            )
         if self.moe_router_topk > self.num_experts:
             raise ValueError(
                 f"model {self.name!r}: moe_router_topk ({self.moe_router_topk}) must be <= "
@@ -103,6 +112,11 @@ class ModelSpec:
     @property
     def kv_dim(self) -> float:
         return self.num_query_groups * self.head_dim
+
+
+def _tp_fits(tp: int, heads: int, groups: int) -> bool:
+    """Megatron's rule: TP divides the heads; KV groups are a multiple or a divisor of TP."""
+    return heads % tp == 0 and (groups % tp == 0 or tp % groups == 0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -237,17 +237,19 @@ def terminate_process_tree(pid: int, *, grace_s: float = 10.0) -> None:
 # Parses each flag set with the patched parse_args + validate_args in ONE process (imports of
 # megatron.training cost seconds): one JSON line per set.
 _VALIDATE = textwrap.dedent("""
-    import json, sys
+    import contextlib, io, json, sys
     from megatron.training.arguments import parse_args, validate_args
     from megatron_bytescale.integration import megatron_lm
     flag_sets, attributes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     for flags in flag_sets:
         sys.argv = ["pretrain_gpt.py"] + flags
+        report = io.StringIO()  # the plugin's refusals: one report on stderr, then exit 2
         try:
-            args = validate_args(parse_args(megatron_lm.chain_extra_args_provider(None)), {})
+            with contextlib.redirect_stderr(report):
+                args = validate_args(parse_args(megatron_lm.chain_extra_args_provider(None)), {})
             out = dict(values={a: getattr(args, a, None) for a in attributes})
         except (Exception, SystemExit) as exc:
-            out = dict(error=type(exc).__name__, message=str(exc))
+            out = dict(error=type(exc).__name__, message=str(exc), stderr=report.getvalue())
         print("VALIDATED " + json.dumps(out, default=repr), flush=True)
 """)
 
@@ -260,6 +262,8 @@ class ValidatedArgs:
     values: dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
     message: str = ""
+    stderr: str = ""
+    """What was printed while refusing (the plugin reports its refusals there, then exits 2)."""
 
     @property
     def refused(self) -> bool:

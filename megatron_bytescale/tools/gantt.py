@@ -54,7 +54,8 @@ def plot_gantt(
     *,
     max_ranks: int = 64,
 ) -> Path:
-    """Write one Gantt panel per ``(label, plan)`` to ``path`` (PNG); returns the path.
+    """Write one Gantt panel per ``(label, plan)`` to ``path`` (PNG); returns the path written
+    (``path`` with ``.png`` added when it has no extension, as matplotlib would).
 
     All panels share the time axis, so schedulers compare at a glance (clipped at 3x the fastest
     plan, which the clipped panels' titles say).
@@ -69,6 +70,8 @@ def plot_gantt(
     if not panels:
         raise ValueError("nothing to plot")
     out = Path(path)
+    if not out.suffix:  # matplotlib would add ".png" behind our back
+        out = out.with_name(out.name + ".png")
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
     data = [(label, plan, rank_intervals(plan, cost_model)) for label, plan in panels]

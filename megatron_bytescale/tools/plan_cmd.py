@@ -35,6 +35,17 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a count, a number of tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="bytescale plan",
@@ -46,19 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "or a Megatron indexed dataset (.idx, .bin or prefix); default: --synthetic")
     data.add_argument("--synthetic", choices=["github", "byted", "lognormal", "uniform"], default=None,
                       help="synthetic dataset when no file is given (default byted)")
-    data.add_argument("--global-tokens", type=int, default=DEFAULT_GLOBAL_TOKENS,
+    data.add_argument("--global-tokens", type=positive_int, default=DEFAULT_GLOBAL_TOKENS,
                       help=f"tokens of the synthetic batch (default {DEFAULT_GLOBAL_TOKENS:,})")
     data.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch (default 0)")
-    data.add_argument("--context-length", type=int, default=None,
+    data.add_argument("--context-length", type=positive_int, default=None,
                       help="longest allowed sequence and the static baseline's context; also the "
                            f"synthetic max length (default {DEFAULT_CONTEXT:,} for synthetic data, "
                            "the longest sequence for files)")
 
     cluster = p.add_argument_group("cluster and model")
-    cluster.add_argument("--hdp-size", type=int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
-    cluster.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
-    cluster.add_argument("--pp-size", type=int, default=None, help="pipeline stages (default: the model preset's)")
-    cluster.add_argument("--tensor-model-parallel-size", type=int, default=None,
+    cluster.add_argument("--hdp-size", type=positive_int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
+    cluster.add_argument("--capacity", type=positive_int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
+    cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
+    cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
                          help="TP degree (default: the model preset's)")
     cluster.add_argument("--model", default="llama-7b",
                          help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
@@ -82,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the cost model's, unlimited unless it sets one)")
     sched.add_argument("--overlong", choices=["error", "drop", "truncate"], default="error",
                        help="what to do with a sequence that cannot fit (default error)")
-    sched.add_argument("--align", type=int, default=1, help="zigzag padding alignment per part (default 1)")
+    sched.add_argument("--align", type=positive_int, default=1, help="zigzag padding alignment per part (default 1)")
     sched.add_argument("--delta", type=float, default=0.05, help="Alg. 2 threshold, fraction of max time (default 0.05)")
-    sched.add_argument("--num-buckets", type=int, default=4, help="Alg. 2 equal-work buckets (default 4)")
+    sched.add_argument("--num-buckets", type=positive_int, default=4, help="Alg. 2 equal-work buckets (default 4)")
 
     out = p.add_argument_group("output")
     out.add_argument("--compare", action="store_true", help="run every scheduler and print them side by side")
@@ -244,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.schedulers import make_plan
 
     lengths, source = _load_lengths(args)
+    if len(lengths) == 0:
+        raise ValueError(f"{source} holds no sequences (no lengths, or only empty documents): "
+                         "nothing to plan")
     cost_model, pp_size = _cost_model(args)
     topology = _topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
@@ -293,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
 
         _progress(args, "plotting ...")
         panels = [(n, plans[n]) for n in SCHEDULER_ORDER if n in plans]
-        plot_gantt(panels, cost_model, args.plot)
-        print(f"wrote Gantt chart to {args.plot}")
+        written = plot_gantt(panels, cost_model, args.plot)
+        print(f"wrote Gantt chart to {written}")
     return 0
 
 

@@ -129,13 +129,49 @@ def test_validate_sets_what_hdp_needs():
         (("--bytescale-context-length", "512"), {}, "--max-position-embeddings"),
     ],
 )
-def test_refusals_name_the_flag(argv, overrides, flag):
+def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     values = tiny_model_args(mock_data=True)
     values.update(overrides)
     args = megatron_namespace("--bytescale-hdp", *argv, **values)
-    with pytest.raises(ValueError, match=re.escape(flag)):
+    assert any(flag in reason for reason in megatron_lm.hdp_refusals(args))
+    with pytest.raises(SystemExit) as exit_info:  # a report, not a traceback
         megatron_lm.check_args(args)
         megatron_lm.validate_args(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron_bytescale: error: ") and flag in err
+    assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
+
+
+def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):
+    values = tiny_model_args(mock_data=False, context_parallel_size=2, attention_dropout=0.1,
+                             overlap_grad_reduce=True, pipeline_model_parallel_size=2)
+    argv = ("--bytescale-hdp", "--bytescale-context-length", "512")
+    reasons = megatron_lm.hdp_refusals(megatron_namespace(*argv, **values))
+    flags = ["--context-parallel-size 2", "--pipeline-model-parallel-size 2",
+             "--overlap-grad-reduce", "--attention-dropout 0.1", "--data-path",
+             "--max-position-embeddings"]
+    assert len(reasons) == len(flags)
+    for flag in flags:
+        assert sum(flag in reason for reason in reasons) >= 1, (flag, reasons)
+    for rank, hook in itertools.product((0, 3), (megatron_lm.check_args, megatron_lm.validate_args)):
+        with pytest.raises(SystemExit) as exit_info:
+            hook(megatron_namespace(*argv, **dict(values, rank=rank)))
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        if rank:
+            assert err == ""  # rank 0 speaks for every rank
+        else:
+            assert "cannot run with these" in err
+            assert all(flag in err for flag in flags[:4] + ["--data-path"])
+
+
+def test_capacity_above_the_sequence_length_is_warned_about(caplog):
+    args = megatron_namespace("--bytescale-hdp", "--bytescale-capacity", str(2 * SEQ),
+                              mock_data=True, **tiny_model_args())
+    with caplog.at_level("WARNING", logger=megatron_lm.__name__):
+        megatron_lm.validate_args(args)
+    assert "is larger than --seq-length" in caplog.text and "no ring ever forms" in caplog.text
 
 
 def test_without_the_flag_the_hooks_are_megatron():

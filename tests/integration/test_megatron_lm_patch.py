@@ -64,8 +64,10 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
         [*TINY_GPT, "--bytescale-capacity", "128"],
     ], ARGS, world_size=4)
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
-    assert cp.error == "ValueError" and "--context-parallel-size 2" in cp.message
-    assert pp.error == "ValueError" and "--pipeline-model-parallel-size 2" in pp.message
+    # refusals: one report from rank 0 and exit status 2, no traceback
+    assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr
+    assert (pp.error, pp.message) == ("SystemExit", "2")
+    assert "--pipeline-model-parallel-size 2" in pp.stderr
     # flag off: Megatron's own behaviour
     assert plain.values["calculate_per_token_loss"] is False
     assert plain.values["dataloader_type"] == "single"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -25,8 +27,17 @@ from megatron_bytescale.testing import cpu_compat
     ],
 )
 def test_layout_refuses_unsupported_parallelism(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         HDPParallelLayout(world_size=8, **kwargs)
+    assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))
+
+
+def test_layout_reports_every_refusal_at_once():
+    with pytest.raises(ValueError) as info:
+        HDPParallelLayout(world_size=8, context_parallel_size=2, expert_model_parallel_size=2,
+                          pipeline_model_parallel_size=2)
+    assert len(info.value.reasons) == 3
+    assert "cannot run with these 3 arguments" in str(info.value)
 
 
 def test_layout_serves_tensor_parallelism():

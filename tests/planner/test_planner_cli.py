@@ -52,13 +52,14 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--hdp-size", "0"], r"hdp_size \(0\) must be an integer >= 1"),
-    (["--capacity", "-1"], r"capacity \(-1\)"),
+    (["--hdp-size", "0"], r"argument --hdp-size: 0 must be >= 1"),
+    (["--capacity", "-1"], r"argument --capacity: -1 must be >= 1"),
+    (["--pp-size", "0"], r"argument --pp-size: 0 must be >= 1"),
     (["--pp-size", "3"], r"pp_size \(3\) must divide"),
     (["--scheduler", "magic"], r"argument --scheduler: invalid choice: 'magic'"),
     (["--model", "gpt-9"], r"unknown model preset 'gpt-9'"),
     (["--synthetic", "pile"], r"invalid choice: 'pile'"),
-    (["--hdp-size", "abc"], r"argument --hdp-size: invalid int value: 'abc'"),
+    (["--hdp-size", "abc"], r"argument --hdp-size: 'abc' is not an integer"),
     (["--no-offload", "--hdp-size", "8"], r"sequence \d+ has \d+ tokens but at most 65536 fit.*--overlong drop\|truncate"),
     (["--scheduler", "static", "--hdp-size", "100", "--context-length", "2097152"], r"static: no context-parallel size fits"),
 ])

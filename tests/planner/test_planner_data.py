@@ -99,9 +99,9 @@ def test_missing_lengths_file(tmp_path):
         read_lengths(tmp_path / "nope.txt")
     with pytest.raises(LengthsFileError, match="is a directory"):
         read_lengths(tmp_path)
-    p = tmp_path / "obj.json"  # not a list: read as text, and line 1 is not an integer
+    p = tmp_path / "obj.json"  # JSON, but not a list
     p.write_text('{"a": 1}')
-    with pytest.raises(LengthsFileError, match="obj.json, line 1"):
+    with pytest.raises(LengthsFileError, match="obj.json: expected a JSON list of lengths .* got an object"):
         read_lengths(p)
 
 

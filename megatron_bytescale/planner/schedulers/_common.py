@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..cost_model import CostModel
-from ..plan import MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
+from ..plan import MAX_SEQUENCE_LENGTH, MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
 from ..sharding import ShardingContext, Unit
 from ..topology import Topology
 from ..zigzag import zigzag_chunk
@@ -88,7 +88,12 @@ def check_lengths(lengths: Any) -> np.ndarray:
         for i, x in enumerate(values):
             if isinstance(x, bool) or not isinstance(x, numbers.Integral):
                 raise ValueError(f"sequence length at index {i} ({x!r}) is not an integer; lengths are token counts")
+            if x > MAX_SEQUENCE_LENGTH:  # before int64 could overflow
+                raise ValueError(_too_long(i, int(x)))
         arr = np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
+    big = np.flatnonzero(arr > MAX_SEQUENCE_LENGTH)
+    if len(big):
+        raise ValueError(_too_long(int(big[0]), int(arr[big[0]])))
     bad = np.flatnonzero(arr <= 0)
     if len(bad):
         i = int(bad[0])
@@ -97,6 +102,11 @@ def check_lengths(lengths: Any) -> np.ndarray:
             f"({len(bad)} bad value(s); drop empty documents before planning)"
         )
     return arr
+
+
+def _too_long(index: int, length: int) -> str:
+    return (f"sequence length at index {index} is {length}; the planner accepts at most "
+            f"{MAX_SEQUENCE_LENGTH} (2**40) tokens per sequence")
 
 
 def build_request(
@@ -127,6 +137,12 @@ def build_request(
     num_buckets = _check_int("num_buckets", num_buckets)
     if context_length is not None:
         context_length = _check_int("context_length", context_length)
+    if align > capacity:
+        raise ValueError(
+            f"align ({align}) must be <= capacity ({capacity}): every zigzag part is padded to a "
+            "multiple of align tokens, so a sequence longer than the capacity could never be "
+            "split into parts that fit a rank"
+        )
     if overlong not in OVERLONG_MODES:
         raise ValueError(f"overlong ({overlong!r}) must be one of {list(OVERLONG_MODES)}")
     if not isinstance(cost_model, CostModel):

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..offload import fits_on_ring
+from ..offload import fits_on_ring, no_ring_fits
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit, best_fit_decreasing, pack_times
 from ._common import Placement, PlanRequest, apply_overlong, emit_plan, unit_sort_key
@@ -40,7 +40,10 @@ def pow2_ring_size(length: int, capacity: int, align: int = 1) -> int:
     """Next power of two >= ceil(length / capacity), doubled until the zigzag share fits."""
     need = max(1, -(-length // capacity))
     d = 1 << (need - 1).bit_length()
+    last = max(need, -(-length // align))  # beyond it the fullest share no longer shrinks
     while not fits_on_ring(length, d, capacity=capacity, layers=1, offload_ratio=0.0, align=align):
+        if d >= last:
+            raise ValueError(no_ring_fits(length, capacity, align))
         d *= 2
     return d
 
