@@ -106,7 +106,15 @@ def jsonl_documents(
                     raise ValueError(f"{file}:{line_number}: not valid JSON ({exc})") from exc
                 if not isinstance(record, dict) or field not in record:
                     raise ValueError(f"{file}:{line_number}: no {field!r} field")
-                tokens = byte_tokens(str(record[field]))
+                text = record[field]
+                if not isinstance(text, str):
+                    kind = "null" if text is None else (
+                        "a number" if isinstance(text, (int, float)) else f"a {type(text).__name__}")
+                    raise ValueError(
+                        f"{file}:{line_number}: the {field!r} field is {kind}, not a string; "
+                        "every line must carry its document's text"
+                    )
+                tokens = byte_tokens(text)
                 if len(tokens) >= min_tokens:
                     found = True
                     yield tokens

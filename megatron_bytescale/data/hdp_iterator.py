@@ -46,8 +46,6 @@ reads only the sequences this rank's pieces touch.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -61,6 +59,8 @@ import torch.distributed as dist
 
 from megatron_bytescale.planner.order import check_deadlock_free
 from megatron_bytescale.planner.plan import MicroBatch, StepPlan
+
+from .plan_worker import PlanWorker
 
 if TYPE_CHECKING:
     from megatron_bytescale.runtime import HDPGroup, MicroBatchTensors
@@ -203,7 +203,7 @@ class HDPDataIterator:
         background = plan_mode == "every_rank" or _group_size(self._agreement_group()) == 1
         self.prefetch = prefetch if background else 0
         self.plan_timeout_s = plan_timeout_s
-        self._worker: _PlanWorker | None = None
+        self._worker: PlanWorker | None = None
         self._pending: deque[Future] = deque()
         self._retry: GlobalBatch | None = None  # a batch whose planning failed: planned next
         self._broken: BaseException | None = None  # the source failed or planning timed out
@@ -307,9 +307,9 @@ class HDPDataIterator:
             except (PlanMismatchError, PlanningError):
                 pass  # the other ranks planned: they raise naming this rank; this one raises its own
 
-    def _background(self) -> "_PlanWorker":
+    def _background(self) -> "PlanWorker":
         if self._worker is None:
-            self._worker = _PlanWorker(name="bytescale-plan")
+            self._worker = PlanWorker(name="bytescale-plan")
         return self._worker
 
     def _fill_pipeline(self) -> None:
@@ -394,43 +394,6 @@ class HDPDataIterator:
 
 _Planned = tuple[GlobalBatch, Optional[StepPlan], float, Optional[BaseException]]
 """A batch, its plan (None if planning failed), seconds spent, and the planning error."""
-
-
-class _PlanWorker:
-    """One daemon thread that runs jobs strictly in submission order.
-
-    Not a ``ThreadPoolExecutor``: its threads are joined when the interpreter exits, so a
-    planner that never returns would keep the process alive forever.
-    """
-
-    def __init__(self, *, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn))
-        return future
-
-    def close(self, timeout_s: float = 1.0) -> None:
-        """Ask the thread to stop after its current job; wait at most ``timeout_s`` for it."""
-        self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            future, fn = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting thread
-                future.set_exception(exc)
 
 
 class PlannedTokens(Mapping):

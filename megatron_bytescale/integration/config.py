@@ -126,6 +126,13 @@ class ByteScaleConfig:
     and spreads longer rings over the fewest nodes. Default: LOCAL_WORLD_SIZE (set by
     torchrun), else the cost model's ranks per node."""
 
+    two_level_ring: bool = False
+    """Rings over several whole nodes run two-level: an all-to-all inside each node splits the
+    heads (NVLink), and only a ring of one rank per node crosses the network, with every NIC of
+    the node busy. Divides the network time of long rings by the ranks per node; the planner
+    sizes long rings in whole nodes and keeps the flat plan when it is faster. Needs the
+    key/value heads per tensor-parallel rank divisible by the HDP ranks per node."""
+
     check_plan_hash: bool = True
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""

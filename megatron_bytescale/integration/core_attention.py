@@ -120,6 +120,23 @@ class ByteScaleCoreAttention(MegatronModule):
         q_TNH = query[:rows, 0].contiguous()
         k_TNH = key[:rows, 0].contiguous()
         v_TNH = value[:rows, 0].contiguous()
+        if manager.two_level_topology is not None:
+            from megatron_bytescale.runtime import two_level_ring_attention
+
+            out_TNH = two_level_ring_attention(
+                q_TNH,
+                k_TNH,
+                v_TNH,
+                layout,
+                manager.hdp,
+                topology=manager.two_level_topology,
+                softmax_scale=self.softmax_scale,
+                backend=manager.attention_backend,
+                counters=manager.counters,
+                dkv_wire=manager.dkv_wire,
+            )
+            out = out_TNH.reshape(rows, 1, -1)
+            return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail)) if tail else out
         out_TNH = ring_attention(
             q_TNH,
             k_TNH,

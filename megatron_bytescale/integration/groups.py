@@ -295,6 +295,9 @@ class HDPGroupManager:
         dkv_wire: dtype of the dK/dV accumulators on the ring (``runtime.dkv_wire_dtype``).
         rank_map: where this process sits in Megatron's TP / PP layout (None: TP = PP = 1,
             the HDP group is all there is).
+
+    ``two_level_topology``: when set (``--bytescale-two-level-ring``), rings over several whole
+    nodes of it run ``runtime.two_level_ring_attention``; None runs every ring flat.
     """
 
     def __init__(
@@ -313,6 +316,7 @@ class HDPGroupManager:
                 f"the rank map says HDP rank {rank_map.hdp_rank}, the HDP group {hdp.rank}"
             )
         self.rank_map = rank_map
+        self.two_level_topology: Any = None
         self._current: "MicroBatchTensors | None" = None
         self._counters: "CommCounters | None" = None
 

@@ -63,10 +63,10 @@ def read_indexed_lengths(path: str | Path, *, multimodal: bool = False) -> np.nd
         bounds = np.array(reader.document_indices, dtype=np.int64, copy=True)
     finally:
         del reader
-    return document_lengths(seq, bounds, name=str(idx))
+    return checked_document_lengths(seq, bounds, name=str(idx))
 
 
-def document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, *, name: str) -> np.ndarray:
+def checked_document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, *, name: str) -> np.ndarray:
     """Lengths of the non-empty documents of an index, checked: a negative sequence length or
     document indices that do not partition the sequences mean a corrupt index, never a
     document to leave out quietly.

@@ -7,15 +7,49 @@ writes is understood; that is also why this lives in the integration layer.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 
 def is_indexed_prefix(prefix: str | Path) -> bool:
     """Whether ``PREFIX.bin`` and ``PREFIX.idx`` both exist."""
     p = str(prefix)
     return Path(p + ".bin").is_file() and Path(p + ".idx").is_file()
+
+
+def open_indexed_dataset(prefix: str | Path) -> "IndexedDataset":
+    """megatron-core's ``IndexedDataset`` at ``prefix``, checked against corrupt files: a
+    truncated or foreign ``.idx``, negative lengths, or a ``.bin`` shorter than its index says
+    are errors naming the file (megatron-core would fail later, naming none)."""
+    import warnings
+
+    with warnings.catch_warnings():  # megatron.core warns about TE/apex on import
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from .indexed_lengths import checked_document_lengths, read_indexed_lengths
+
+    read_indexed_lengths(str(prefix) + ".idx")  # a readable index without negative lengths
+    try:
+        dataset = IndexedDataset(str(prefix))
+    except Exception as exc:  # noqa: BLE001 - megatron-core raises many kinds on bad files
+        raise ValueError(f"{prefix}: not a readable Megatron indexed dataset ({exc})") from exc
+    index = dataset.index
+    checked_document_lengths(index.sequence_lengths, index.document_indices, name=f"{prefix}.idx")
+    if len(index):
+        itemsize = np.dtype(index.dtype).itemsize
+        needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * itemsize
+        have = Path(str(prefix) + ".bin").stat().st_size
+        if have < needed:
+            raise ValueError(
+                f"{prefix}.bin is truncated: {have} bytes, its index describes {needed}; copy "
+                "the file again or write the dataset again"
+            )
+    return dataset
 
 
 def indexed_documents(
@@ -27,9 +61,7 @@ def indexed_documents(
             f"{prefix} is not a Megatron indexed dataset prefix: expected {prefix}.bin and "
             f"{prefix}.idx"
         )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dataset = IndexedDataset(str(prefix))
+    dataset = open_indexed_dataset(prefix)
     if len(dataset) == 0:
         raise ValueError(f"indexed dataset {prefix} has no sequences")
     while True:

@@ -295,15 +295,21 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
 
     from .megatron_lm_step import hdp_manager
-    from .planning import make_step_planner
+    from .planning import check_two_level_heads, hdp_topology, make_step_planner
 
     manager = hdp_manager(args)
     config = ByteScaleConfig.from_args(args)
     cost_model = cost_model_from_args(args, config)
-    planner = make_step_planner(
+    topology = hdp_topology(
         config, hdp_size=manager.size, cost_model=cost_model,
         global_ranks=[manager.hdp.global_rank(r) for r in range(manager.size)],
     )  # fmt: skip
+    if config.two_level_ring:
+        heads = int(args.num_attention_heads)
+        groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+        check_two_level_heads(int(groups or heads) // int(args.tensor_model_parallel_size), topology)
+        manager.two_level_topology = topology
+    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model, topology=topology)
     seq_length = int(args.seq_length)
     tokens_per_batch = int(args.global_batch_size) * seq_length
     schedule = GlobalBatchSchedule.from_args(args, data_parallel_size=manager.size)

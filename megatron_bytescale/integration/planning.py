@@ -19,12 +19,15 @@ def make_step_planner(
     cost_model: CostModel,
     scheduler: Optional[str] = None,
     global_ranks: Optional[Sequence[int]] = None,
+    topology: Optional[Topology] = None,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
     The function is deterministic (same lengths, same plan on every rank), which the
     ``every_rank`` plan mode relies on. ``global_ranks`` (the global rank of every HDP rank;
-    default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`).
+    default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`), unless
+    ``topology`` gives the nodes. ``--bytescale-two-level-ring`` plans with two-level rings
+    (the runtime must then run them: ``HDPGroupManager.two_level_topology``).
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -40,7 +43,10 @@ def make_step_planner(
                 "--bytescale-offload"
             )
 
-    topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
+    if topology is None:
+        topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
+    if config.two_level_ring:
+        cost_model = cost_model.with_(two_level_ring=True)
     if config.host_memory_gb is not None:
         cost_model = cost_model.with_(host_memory_bytes=config.host_memory_gb * 1e9)
 
@@ -96,3 +102,17 @@ def hdp_topology(
     if len(ranks) != hdp_size:
         raise ValueError(f"global_ranks names {len(ranks)} ranks but the HDP group has {hdp_size}")
     return Topology.from_global_ranks(ranks, per_node)
+
+
+def check_two_level_heads(num_kv_heads_per_rank: int, topology: Topology) -> None:
+    """Raise unless the key/value heads of one tensor-parallel rank split over the HDP ranks of a
+    node (the two-level ring's all-to-all gives each of them ``heads / ranks`` of every head
+    kind)."""
+    per_node = topology.ranks_per_node
+    if per_node > 1 and num_kv_heads_per_rank % per_node:
+        raise ValueError(
+            f"--bytescale-two-level-ring splits the {num_kv_heads_per_rank} key/value heads of a "
+            f"tensor-parallel rank over the {per_node} HDP ranks of a node, which does not divide "
+            f"them; use a tensor-parallel size that leaves a multiple of {per_node} key/value "
+            "heads per rank, or run without --bytescale-two-level-ring"
+        )

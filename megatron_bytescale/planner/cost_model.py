@@ -108,7 +108,7 @@ class RingTimeTerms:
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
-    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s",
+    "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
 )
 
 
@@ -154,6 +154,13 @@ class CostModel:
     """Share of the attention time spent in forward (2/7 for FlashAttention-2: 2 of 7 s^2 GEMMs)."""
     forward_fraction: float = 1.0 / 3.0
     """Share of a micro-batch's time spent in forward (1/3 for GEMMs); used by the 1F1B model."""
+    two_level_ring: bool = False
+    """Rings over several whole nodes run two-level (the runtime's --bytescale-two-level-ring):
+    heads are split inside each node by an all-to-all over NVLink and only a ring of one rank
+    per node crosses the network (see :meth:`ring_time_from_sums` and docs/two_level_ring.md)."""
+    q_bytes_per_token: float = 0.0
+    """Query bytes per token per layer per TP rank (= the attention output's); what the
+    two-level ring's all-to-all moves besides K and V."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -161,6 +168,8 @@ class CostModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
+        if not isinstance(self.two_level_ring, bool):
+            raise ValueError(f"cost model {self.name!r}: two_level_ring ({self.two_level_ring!r}) must be true or false")
         if self.dkv_bytes_per_token is not None and not (
             _is_number(self.dkv_bytes_per_token) and self.dkv_bytes_per_token >= 0
         ):
@@ -365,14 +374,21 @@ class CostModel:
         layers: int,
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
+        node_group: Any = 1,
     ) -> Any:
         """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
 
         See the module docstring for the formula; ``ring_size`` 1 means a local micro-batch.
-        It is the sum of :meth:`ring_time_terms`.
+        ``node_group`` G > 1 (with ``two_level_ring``) costs a two-level ring of D / G nodes of G
+        members: an all-to-all inside each node before and after attention, moving
+        ``(G - 1) / G`` of every member's q, k, v, out forward and their gradients backward
+        over NVLink, then a ring of D / G steps between nodes, each step computing 1 / (D / G)
+        of the member's attention while the next node's K/V (dK/dV backward) arrives over the
+        network. It is the sum of :meth:`ring_time_terms`.
         """
         out = self.ring_time_terms(
-            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node
+            sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node,
+            node_group=node_group,
         ).total
         return float(out) if out.ndim == 0 else out
 
@@ -385,24 +401,32 @@ class CostModel:
         layers: int,
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
+        node_group: Any = 1,
     ) -> "RingTimeTerms":
         """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
-        ``layers`` layers): the simulator reports where a step goes with the planner's own model."""
+        ``layers`` layers): the simulator reports where a step goes with the planner's own model.
+        A two-level ring's all-to-alls count as exposed communication."""
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
         r = np.asarray(offload_ratio, dtype=np.float64)
-        bw = np.where(np.asarray(intra_node, dtype=bool), self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
+        g = np.asarray(node_group, dtype=np.float64) if self.two_level_ring else np.ones_like(d)
+        g = np.where(d > g, g, 1.0)  # a ring inside one node is flat
+        two = g > 1
+        bw = np.where(np.asarray(intra_node, dtype=bool) & ~two, self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
         share = sp / d
         linear = self.beta1 * share + self.gamma
         attn = self.alpha1 * sp2 / d
-        c_f = attn * self.attention_forward_fraction / d
-        c_b = attn / d - c_f
+        positions = d / g  # ring steps: D flat, D / G nodes two-level
+        c_f = attn * self.attention_forward_fraction / positions
+        c_b = attn / positions - c_f
         m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
         m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
-        steps = d - 1.0
-        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b)
-        overhead = steps * self.ring_step_overhead_s
+        steps = positions - 1.0
+        a2a_comm = np.where(two, 4 * self.p2p_latency_s + 2 * (g - 1) / g * share * (
+            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra, 0.0)
+        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b) + a2a_comm
+        overhead = (steps + np.where(two, 2.0, 0.0)) * self.ring_step_overhead_s
         layer = linear + attn + exposed_comm + overhead
         exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
         return RingTimeTerms(
@@ -410,8 +434,20 @@ class CostModel:
             exposed_comm=layers * exposed_comm,
             step_overhead=layers * overhead,
             exposed_offload=layers * exposed_offload,
-            comm=layers * steps * (m_f + m_b),
+            comm=layers * (steps * (m_f + m_b) + a2a_comm),
         )
+
+    def two_level_bytes(self, sum_p: Any, ring_size: Any, node_group: Any, *, layers: int) -> tuple[Any, Any]:
+        """``(intra-node, inter-node)`` bytes all members of two-level rings send over ``layers``
+        layers: ``layers * sum(P) * 2 (G - 1) / G * (2 q + kv)`` in the all-to-alls and
+        ``layers * (D / G - 1) * (2 kv + dkv) * sum(P)`` on the ring between nodes."""
+        sp = np.asarray(sum_p, dtype=np.float64)
+        d = np.asarray(ring_size, dtype=np.float64)
+        g = np.asarray(node_group, dtype=np.float64)
+        g = np.where(d > g, g, 1.0)
+        intra = layers * sp * 2 * (g - 1) / g * (2 * self.q_bytes_per_token + self.kv_bytes_per_token)
+        inter = layers * (d / g - 1) * self.ring_bytes_per_token * sp
+        return intra, inter
 
     def micro_batch_time(
         self,
@@ -422,17 +458,19 @@ class CostModel:
         offload_ratio: float = 0.0,
         align: int = 1,
         intra_node: bool = True,
+        node_group: int = 1,
     ) -> float:
         """Seconds one member of a ring of ``ring_size`` spends on a micro-batch of ``lengths``.
 
         ``layers`` is the number of layers the rank runs (all of them without PP, one stage's
-        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network.
+        with PP). ``intra_node`` picks the NVLink rate (all members on one node) or the network;
+        ``node_group`` > 1 costs a two-level ring (see :meth:`ring_time_from_sums`).
         """
         p = self.padded_lengths(lengths, ring_size, align).astype(np.float64)
         return float(
             self.ring_time_from_sums(
                 p.sum(), (p * p).sum(), ring_size, layers=layers,
-                offload_ratio=offload_ratio, intra_node=intra_node,
+                offload_ratio=offload_ratio, intra_node=intra_node, node_group=node_group,
             )
         )
 

@@ -64,6 +64,8 @@ class MicroBatchCosts:
     :meth:`CostModel.ring_time_from_sums` (the simulator splits ``seconds`` into its terms)."""
     sum_p2: np.ndarray | None = None
     intra_node: np.ndarray | None = None
+    node_group: np.ndarray | None = None
+    """Members per node of two-level rings (the ``node_group`` of ``ring_time_from_sums``), 1 if flat."""
 
 
 def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> MicroBatchCosts:
@@ -89,12 +91,13 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
         zi = z.astype(np.int64)
         return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, inter_node_bytes=z,
                                rings=(), offload=z, seq_owner=zi, seq_lengths=zi, holders={},
-                               sum_p=z, sum_p2=z, intra_node=zi.astype(bool))
+                               sum_p=z, sum_p2=z, intra_node=zi.astype(bool), node_group=z)
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
     intra = np.empty(n, dtype=bool)
     links = np.empty(n)
+    groups = np.ones(n)
     rings = []
     for k, o in enumerate(orders.tolist()):
         ring, seqs, r = seen[o]
@@ -104,6 +107,8 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
         rings.append(ring)
         intra[k] = topo.ring_is_intra_node(ring)
         links[k] = topo.inter_node_links(ring)
+        if cost_model.two_level_ring and d > 1:
+            groups[k] = topo.two_level_group(ring)
         for s in seqs:
             owner.append(k)
             seq_len.append(lengths[s])
@@ -119,14 +124,20 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     sum_p2 = np.bincount(owner_arr, weights=padded * padded, minlength=n)
     seconds = np.atleast_1d(cost_model.ring_time_from_sums(
         sum_p, sum_p2, ring_sizes, layers=plan.layers_per_stage, offload_ratio=offload, intra_node=intra,
+        node_group=groups,
     ))
     all_layers = plan.layers_per_stage * plan.pp_size
     p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
     inter = p2p * links / ring_sizes  # every link of the cycle carries 1/D of the bytes
+    two = groups > 1  # two-level rings: all-to-all inside nodes, a ring of D / G between them
+    if np.any(two):
+        intra_b, inter_b = cost_model.two_level_bytes(sum_p[two], ring_sizes[two], groups[two], layers=all_layers)
+        p2p[two] = intra_b + inter_b
+        inter[two] = inter_b
     return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
                            inter_node_bytes=inter, rings=tuple(rings), offload=offload,
                            seq_owner=owner_arr, seq_lengths=s, holders=holders,
-                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra)
+                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra, node_group=groups)
 
 
 def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16,
@@ -158,7 +169,7 @@ def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts,
         p = np.where(d == 1, sl, chunk * 2 * d).astype(np.float64)
         t = np.atleast_1d(cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=plan.layers_per_stage,
-            intra_node=d[0] <= rpn,
+            intra_node=d[0] <= rpn, node_group=np.where(d[0] > rpn, rpn, 1),
         ))
         best = max(best, min(float(t.min()), float(costs.seconds[k])))
     return best * plan.pp_size

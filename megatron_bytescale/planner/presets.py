@@ -229,6 +229,7 @@ def analytic_cost_model(model: ModelSpec, hardware: HardwareSpec, *, name: str |
         h2d_bandwidth=hardware.h2d_bandwidth,
         kv_bytes_per_token=kv_elements * model.dtype_bytes,
         dkv_bytes_per_token=kv_elements * 4.0,
+        q_bytes_per_token=model.hidden_size / tp * model.dtype_bytes,
         p2p_bandwidth_intra=hardware.p2p_bandwidth_intra,
         p2p_bandwidth_inter=hardware.p2p_bandwidth_inter,
         p2p_latency_s=hardware.p2p_latency_s,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -67,14 +67,40 @@ class ShardingContext:
         """The topology, never None."""
         return Topology.of(self.cost_model, self.topology)
 
+    def node_group(self, ring_size: Any) -> Any:
+        """Members per node a ring of ``ring_size`` is costed with before it is placed: the
+        ranks per node for a two-level ring over several nodes, else 1 (flat)."""
+        g = self.cost_model.ranks_per_node
+        if not self.cost_model.two_level_ring:
+            return np.ones_like(np.asarray(ring_size)) if np.ndim(ring_size) else 1
+        return np.where(np.asarray(ring_size) > g, g, 1) if np.ndim(ring_size) else (g if ring_size > g else 1)
+
+    def round_ring(self, ring_size: int) -> int:
+        """``ring_size`` rounded up to whole nodes when rings over several nodes run two-level
+        (the runtime needs the same members on every node), if the HDP group has that many."""
+        g = self.cost_model.ranks_per_node
+        if not self.cost_model.two_level_ring or ring_size <= g:
+            return ring_size
+        up = -(-ring_size // g) * g
+        return up if up <= self.hdp_size else ring_size
+
     def unit_time(self, lengths: Sequence[int], ring_size: int, offload_ratio: float,
-                  intra_node: bool | None = None) -> float:
+                  intra_node: bool | None = None, node_group: int | None = None) -> float:
         if intra_node is None:
             intra_node = ring_size <= self.cost_model.ranks_per_node
         return self.cost_model.micro_batch_time(
             lengths, ring_size, layers=self.layers, offload_ratio=offload_ratio,
             align=self.align, intra_node=intra_node,
+            node_group=self.node_group(ring_size) if node_group is None else node_group,
         )
+
+    def ring_time(self, lengths: Sequence[int], ring: Sequence[int], offload_ratio: float) -> float:
+        """Seconds per member of a unit placed on ``ring`` (its nodes decide NVLink, network or
+        two-level)."""
+        topo = self.nodes
+        group = topo.two_level_group(ring) if self.cost_model.two_level_ring else 1
+        return self.unit_time(lengths, len(ring), offload_ratio, intra_node=topo.ring_is_intra_node(ring),
+                              node_group=group)
 
     def time_on_rings(self, lengths: Sequence[int], ring_sizes: np.ndarray) -> np.ndarray:
         """Seconds per member of one unit on each ring size in ``ring_sizes`` (no offload; a
@@ -87,11 +113,13 @@ class ShardingContext:
         p = np.where(d == 1, s, chunk * parts).astype(np.float64)
         return np.asarray(self.cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=self.layers,
-            intra_node=d[0] <= self.cost_model.ranks_per_node,
+            intra_node=d[0] <= self.cost_model.ranks_per_node, node_group=self.node_group(d[0]),
         ), dtype=np.float64).reshape(-1)
 
     def resize(self, unit: Unit, ring_size: int) -> Unit:
-        """``unit`` on ``ring_size`` ranks (>= its minimum) with the smallest offload ratio that fits."""
+        """``unit`` on ``ring_size`` ranks (>= its minimum; rounded by :meth:`round_ring`) with the
+        smallest offload ratio that fits."""
+        ring_size = self.round_ring(ring_size)
         if ring_size == unit.ring_size:
             return unit
         if len(unit.seqs) == 1 and self.offload:
@@ -147,8 +175,9 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
     times = long_times([n for _, n in long_], [d.ring_size for d in decisions],
                        [d.offload_ratio for d in decisions], ctx)
     for (sid, n), dec, t in zip(long_, decisions, times):
-        units.append(Unit(seqs=(sid,), lengths=(n,), ring_size=dec.ring_size, offload_ratio=dec.offload_ratio,
-                          min_ring_size=dec.ring_size, time=t))
+        unit = Unit(seqs=(sid,), lengths=(n,), ring_size=dec.ring_size, offload_ratio=dec.offload_ratio,
+                    min_ring_size=dec.ring_size, time=t)
+        units.append(ctx.resize(unit, dec.ring_size))  # whole nodes for a two-level ring
     if short:
         bins = best_fit_decreasing([i for i, _ in short], [n for _, n in short], ctx.capacity)
         times = pack_times([[length_of[s] for s in b] for b in bins], ctx)
@@ -170,7 +199,8 @@ def long_times(lengths: Sequence[int], ring_sizes: Sequence[int], ratios: Sequen
     chunk = -(-chunk // ctx.align) * ctx.align
     p = np.where(d == 1, p, chunk * parts).astype(np.float64)
     out = ctx.cost_model.ring_time_from_sums(p, p * p, d, layers=ctx.layers, offload_ratio=np.asarray(ratios),
-                                             intra_node=d <= ctx.cost_model.ranks_per_node)
+                                             intra_node=d <= ctx.cost_model.ranks_per_node,
+                                             node_group=ctx.node_group(d))
     return [float(x) for x in np.atleast_1d(out)]
 
 

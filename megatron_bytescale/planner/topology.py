@@ -174,6 +174,26 @@ class Topology:
         ring crosses one network link per node boundary."""
         return tuple(sorted((int(r) for r in members), key=lambda r: (self.node(r), r)))
 
+    def two_level_group(self, ring: Sequence[int]) -> int:
+        """G, the members per node of ``ring`` if it can run two-level, else 1.
+
+        A two-level ring is k >= 2 runs of G >= 2 consecutive members, each run on one node
+        and every run on a different node (what node-contiguous placement on whole nodes
+        gives). Member ``m * G + j`` is then rank j of node m: an all-to-all inside each run,
+        and G rings of k members (the j-th of every node) between nodes.
+        """
+        d = len(ring)
+        nodes = [self.node(r) for r in ring]
+        g = 1
+        while g < d and nodes[g] == nodes[0]:
+            g += 1
+        if g < 2 or d % g or d // g < 2:
+            return 1
+        runs = [nodes[m * g:(m + 1) * g] for m in range(d // g)]
+        if any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+            return 1
+        return g
+
     @cached_property
     def is_regular(self) -> bool:
         """True when HDP rank r is on node r // ranks_per_node."""
@@ -192,13 +212,20 @@ def ring_link_bytes(
     """``(all bytes, inter-node bytes)`` a ring micro-batch sends over ``layers`` layers.
 
     ``padded_tokens`` is ``sum_j P_j`` of its sequences (zigzag-padded lengths, see
-    :meth:`CostModel.padded_lengths`). Every link of the ring cycle carries the same
-    ``layers * (D - 1) * (2 kv + dkv) * sum_j P_j / D`` bytes; the inter-node share is that
-    times the node-crossing links (:meth:`Topology.inter_node_links`). 0 for D = 1.
+    :meth:`CostModel.padded_lengths`). A flat ring sends
+    ``layers * (D - 1) * (2 kv + dkv) * sum_j P_j / D`` over every link of its cycle; the
+    inter-node share is that times the node-crossing links (:meth:`Topology.inter_node_links`).
+    A two-level ring (``cost_model.two_level_ring`` and :meth:`Topology.two_level_group` > 1)
+    sends :meth:`CostModel.two_level_bytes`. 0 for D = 1.
     """
     d = len(ring)
     if d <= 1:
         return 0.0, 0.0
+    if cost_model.two_level_ring:
+        g = topology.two_level_group(ring)
+        if g > 1:
+            intra, inter = cost_model.two_level_bytes(float(padded_tokens), d, g, layers=layers)
+            return float(intra + inter), float(inter)
     per_link = layers * (d - 1) * cost_model.ring_bytes_per_token * float(padded_tokens) / d
     return per_link * d, per_link * topology.inter_node_links(ring)
 

@@ -27,7 +27,7 @@ from .layout import (
 )
 from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats, offload_micro_batch
 from .online_softmax import merge_partial_attention
-from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens
+from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens, two_level_p2p_bytes
 from .ring_attention import (
     ring_attention,
     ring_attention_backward,
@@ -47,6 +47,7 @@ from .ring_step import (
     ring_forward_step,
     start_ring_forward,
 )
+from .two_level_ring import two_level_ring_attention
 
 __all__ = [
     "DKV_WIRE_CHOICES",
@@ -89,6 +90,8 @@ __all__ = [
     "ring_attention",
     "ring_attention_backward",
     "ring_attention_forward",
+    "two_level_p2p_bytes",
+    "two_level_ring_attention",
     "ring_attention_p2p_bytes",
     "ring_local_tokens",
     "verify_ring_layout",

@@ -42,8 +42,15 @@ class MicroBatchCommStats:
     attention_calls: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    intra_node_bytes_sent: int = 0
+    """Of ``bytes_sent``: what two-level rings sent inside the node (their all-to-all)."""
+    inter_node_bytes_sent: int = 0
+    """Of ``bytes_sent``: what two-level rings sent between nodes (their ring of nodes). A flat
+    ring's split follows from its members' nodes: ``planner.topology.ring_link_bytes``."""
 
     def add(self, other: "MicroBatchCommStats") -> None:
+        self.intra_node_bytes_sent += other.intra_node_bytes_sent
+        self.inter_node_bytes_sent += other.inter_node_bytes_sent
         self.bytes_sent += other.bytes_sent
         self.bytes_received += other.bytes_received
         self.p2p_calls += other.p2p_calls

@@ -91,3 +91,32 @@ def plan_p2p_bytes(
                 backward=backward,
             )
     return total * num_layers
+
+
+def two_level_p2p_bytes(
+    *,
+    num_tokens: int,
+    ring_size: int,
+    group: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    element_size: int,
+    grad_element_size: int = GRAD_ACCUMULATOR_BYTES,
+) -> tuple[int, int]:
+    """``(intra-node, inter-node)`` bytes ONE member of a two-level ring sends in one call, fwd + bwd.
+
+    Inside the node (:mod:`.two_level_ring`): ``(G - 1) / G`` of the member's T rows of q, k, v
+    and out forward and of dout, dq, dk, dv backward, ``2 (G - 1) T (2 Nq + 2 Nkv) H e / G``.
+    Between nodes: the flat formula on the column ring of ``ring_size / G`` members whose buffer
+    holds ``G * T`` rows of ``Nkv / G`` heads.
+    """
+    if group < 2 or ring_size % group or num_kv_heads % group:
+        raise ValueError(f"a two-level ring needs group ({group}) >= 2 dividing ring_size ({ring_size}) "
+                         f"and num_kv_heads ({num_kv_heads})")
+    intra = 2 * (group - 1) * num_tokens * (2 * num_q_heads + 2 * num_kv_heads) * head_dim * element_size // group
+    inter = ring_attention_p2p_bytes(
+        num_tokens=group * num_tokens, ring_size=ring_size // group, num_kv_heads=num_kv_heads // group,
+        head_dim=head_dim, element_size=element_size, grad_element_size=grad_element_size,
+    )
+    return intra, inter

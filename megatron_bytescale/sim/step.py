@@ -164,7 +164,7 @@ def simulate_step(
     busy = np.bincount(ranks, weights=costs.seconds[owners], minlength=n) if len(ranks) else np.zeros(n)
     terms = cost_model.ring_time_terms(
         costs.sum_p, costs.sum_p2, costs.ring_sizes, layers=plan.layers_per_stage,
-        offload_ratio=costs.offload, intra_node=costs.intra_node,
+        offload_ratio=costs.offload, intra_node=costs.intra_node, node_group=costs.node_group,
     )
     members = costs.ring_sizes.astype(np.float64) * pp  # GPU-seconds: every member, every stage
     breakdown = {

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .demo_settings import BUILTIN_DATASETS, MODES, DemoSettings
+from .demo_process import Interrupted, run_supervised
+from .demo_settings import BUILTIN_DATASETS, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
 
 DEFAULT_CAPACITY = 512
 
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for results.json, cost_model.json and demo.png (default: %(default)s)",
     )
     demo.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    demo.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=DEFAULT_TIMEOUT_MINUTES,
+        help="how long the ranks wait for one that does not answer before the job stops, naming "
+        "it (gloo's own default: 30 minutes; default: %(default)s)",
+    )
     add_bytescale_args(parser)
     return parser
 
@@ -95,13 +103,25 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         from megatron_bytescale.planner.cost_model import CostModel
 
         try:
-            CostModel.load(config.cost_model)
+            cost_model = CostModel.load(config.cost_model)
         except ValueError as exc:
             raise ValueError(f"--bytescale-cost-model: {exc}") from exc
+        if cost_model.num_layers != args.num_layers:
+            raise ValueError(
+                f"--bytescale-cost-model {config.cost_model} describes {cost_model.num_layers} "
+                f"layers, the demo model has {args.num_layers}; pass --num-layers "
+                f"{cost_model.num_layers} or fit a new one"
+            )
+    datasets = tuple(d.strip() for d in args.data.split(",") if d.strip())
+    if not datasets:
+        raise ValueError(
+            f"--data {args.data!r} names no dataset; give one or more of "
+            f"{', '.join(BUILTIN_DATASETS)}, a .jsonl file or a Megatron indexed prefix"
+        )
     capacity = config.capacity or DEFAULT_CAPACITY
     context = config.context_length or args.ranks * capacity
     return DemoSettings(
-        datasets=tuple(d.strip() for d in args.data.split(",") if d.strip()),
+        datasets=datasets,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         ranks=args.ranks,
         steps=args.steps,
@@ -123,6 +143,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         plan_prefetch=config.plan_prefetch,
         cost_model=str(Path(config.cost_model).resolve()) if config.cost_model else None,
         out_dir=str(Path(args.out).resolve()),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
 
 
@@ -143,13 +164,38 @@ def run_demo_job(settings: DemoSettings) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
-    completed = subprocess.run(command, env=env, check=False)
-    if completed.returncode != 0 or not results_path.exists():
+    returncode = run_supervised(command, env=env)  # raises Interrupted on SIGINT/SIGTERM/SIGHUP
+    if returncode != 0 or not results_path.exists():
         raise RuntimeError(
-            f"the demo's torchrun job failed (exit code {completed.returncode}); see the rank "
-            "output above"
+            f"the demo's torchrun job failed (exit code {returncode}); see the rank output above"
         )
     return json.loads(results_path.read_text(encoding="utf-8"))
+
+
+def prepare_out_dir(settings: DemoSettings, flag: str) -> None:
+    """Create ``--out`` now, so a bad path is one line before any worker starts."""
+    out = Path(settings.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".bytescale-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"--out {flag}: cannot create the directory or write into it ({exc.strerror or exc})"
+        ) from None
+
+
+def check_datasets(settings: DemoSettings) -> None:
+    """Build every dataset's global batches here, as the workers will: a bad file, a missing
+    prefix or too little data is reported in one line instead of inside every worker."""
+    from .demo_data import demo_global_batches
+
+    for name in settings.datasets:
+        try:
+            demo_global_batches(name, settings)
+        except OSError as exc:
+            raise ValueError(f"--data {name}: {exc.strerror or exc}") from None
 
 
 def print_report(results: dict[str, Any], *, plot: bool, out_dir: Path) -> None:
@@ -170,13 +216,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the training job (checks, report, plot)
+        print("bytescale demo: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         settings = settings_from_args(args)
+        prepare_out_dir(settings, args.out)
+        check_datasets(settings)
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"bytescale demo: error: {exc}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     try:
         results = run_demo_job(settings)
-    except (RuntimeError, KeyboardInterrupt) as exc:
+    except Interrupted as exc:
+        what = "interrupted (SIGINT)" if exc.signum == signal.SIGINT else str(exc)
+        print(f"bytescale demo: {what}; torchrun and its workers were stopped", file=sys.stderr)
+        return 128 + exc.signum
+    except RuntimeError as exc:
         print(f"bytescale demo: {exc}", file=sys.stderr)
         return 1
     print_report(results, plot=not args.no_plot, out_dir=Path(settings.out_dir))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("static", "naive", "balance")
+DEFAULT_TIMEOUT_MINUTES = 3.0
 BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
 
 
@@ -46,6 +47,9 @@ class DemoSettings:
     plan_prefetch: int = 1
     cost_model: str | None = None
     """A CostModel JSON to plan with instead of calibrating on this machine."""
+    distributed_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
+    """How long a collective of the HDP group waits for a rank that does not answer (gloo's own
+    default is 30 minutes); then the job stops naming that rank."""
     calibration_lengths: tuple[int, ...] = ()
     """Empty: C/8, C/4, C/2, C, 2C and 4C (up to the context length): the quadratic term
     is only measurable at the long lengths the rings carry."""
@@ -67,6 +71,15 @@ class DemoSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 1")
+        if not self.datasets:
+            raise ValueError(
+                f"--data {','.join(self.datasets)!r} names no dataset; give one or more of "
+                f"{', '.join(BUILTIN_DATASETS)}, a .jsonl file or a Megatron indexed prefix"
+            )
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(
+                f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be > 0"
+            )
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(

@@ -17,13 +17,17 @@ import os
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_bytescale.runtime.liveness import Heartbeat
+
 from .demo_data import demo_global_batches, vocab_size_of
+from .demo_process import die_with_parent
 from .demo_settings import DemoSettings
 
 logger = logging.getLogger(__name__)
@@ -37,13 +41,21 @@ def main(argv: list[str] | None = None) -> int:
         "--settings", required=True, help="DemoSettings JSON written by bytescale demo"
     )
     args = parser.parse_args(argv)
+    die_with_parent()  # torchrun gone (killed) -> this worker goes too, never trains alone
     settings = DemoSettings.load(args.settings)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    dist.init_process_group("gloo")
+    timeout = timedelta(minutes=settings.distributed_timeout_minutes)
+    dist.init_process_group("gloo", timeout=timeout)
+    heartbeat = Heartbeat.from_env(rank=dist.get_rank(), world_size=dist.get_world_size()).start()
     try:
-        results = run_demo(settings)
+        try:
+            results = run_demo(settings)
+        except RuntimeError:  # a collective failed: name the rank that stopped answering
+            if report_silent_ranks(heartbeat, timeout):
+                return 1
+            raise
         if dist.get_rank() == 0:
             out = Path(settings.out_dir)
             (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -52,8 +64,28 @@ def main(argv: list[str] | None = None) -> int:
             (out / "cost_model.json").write_text(json.dumps(cost_model, indent=2) + "\n", encoding="utf-8")
         dist.barrier()
     finally:
+        heartbeat.stop()
         dist.destroy_process_group()
     return 0
+
+
+def report_silent_ranks(heartbeat: Heartbeat, timeout: timedelta) -> bool:
+    """After a failed collective: if some ranks' heartbeats stopped, the lowest live rank says
+    which (once for the job, not once per rank); returns whether any rank was silent."""
+    silent = heartbeat.silent_ranks()
+    if not silent:
+        return False
+    live = [r for r in range(heartbeat.world_size) if r not in silent]
+    if live and heartbeat.rank == live[0]:
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+        print(
+            f"bytescale demo: {who} did not answer within {timeout.total_seconds():g} s (the HDP "
+            f"group timeout, --distributed-timeout-minutes) and {'is' if len(silent) == 1 else 'are'} "
+            "not alive either (stopped, e.g. by SIGSTOP, or hung); the other ranks gave up. "
+            "Raise --distributed-timeout-minutes if one step can legitimately take longer",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return True
 
 
 def given_cost_model(path: str, num_layers: int) -> Any:
@@ -97,7 +129,10 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         attention_backend=settings.attention_backend, check_plan_hash=settings.check_plan_hash,
         plan_prefetch=settings.plan_prefetch,
     )  # fmt: skip
-    manager = initialize_hdp_model_parallel(attention_backend=config.ring_attention_backend)
+    manager = initialize_hdp_model_parallel(
+        attention_backend=config.ring_attention_backend,
+        distributed_timeout_minutes=settings.distributed_timeout_minutes,
+    )
     datasets = []
     for name in settings.datasets:
         batches, description = demo_global_batches(name, settings)

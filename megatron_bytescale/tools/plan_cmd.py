@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--ranks-per-node", type=int, default=None,
                          help="HDP ranks per node: HDP rank r is on node r // N (default: the cost "
                               "model's, GPUs per node / TP for the presets)")
+    cluster.add_argument("--two-level-ring", action="store_true",
+                         help="cost rings over several whole nodes as two-level (head-split all-to-all "
+                              "in the node, ring between nodes), as --bytescale-two-level-ring runs them")
     cluster.add_argument("--node-map", default=None, metavar="FILE",
                          help="node of every HDP rank instead of --ranks-per-node: a JSON list or one "
                               "integer per line, HDP rank order")
@@ -259,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{source} holds no sequences (no lengths, or only empty documents): "
                          "nothing to plan")
     cost_model, pp_size = _cost_model(args)
+    if args.two_level_ring:
+        cost_model = cost_model.with_(two_level_ring=True)
     topology = _topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
@@ -286,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_row(name, plan, dt))
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
-          f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}")
+          f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"{', two-level rings' if args.two_level_ring else ''}")
     _print_table(rows, failed)
     for plan in plans.values():
         _report_overlong(plan)

@@ -186,6 +186,8 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
     from megatron_bytescale.planner.plan import PlanBuilder
+    from megatron_bytescale.planner.topology import Topology
+    from megatron_bytescale.runtime import CommCounters
     from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
 
     out: dict[str, Any] = {"rank": rank}
@@ -212,23 +214,33 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 0:
         out["reference"] = reference_loss_and_grads(config, initial_state, sequences)
     out["grad"] = {}
-    for scheduler in ("balance", "naive", "static"):
+    for scheduler in ("balance", "naive", "static", "balance-two-level"):
         ddp, optimizer = fresh_model(config, initial_state)
+        # "balance-two-level": the 4 ranks as 2 nodes of 2, long rings two-level
+        two_level = Topology(ranks_per_node=2) if scheduler == "balance-two-level" else None
+        manager.two_level_topology = two_level
         planner = make_step_planner(
-            bytescale_config(scheduler=scheduler), hdp_size=manager.size, cost_model=cm
+            bytescale_config(scheduler=scheduler.split("-")[0], two_level_ring=two_level is not None),
+            hdp_size=manager.size, cost_model=cm, topology=two_level,
         )
         step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
         grads = grab_grads_before_step(ddp, optimizer)
         if scheduler == "balance":
             out["grad_scale_func"] = ddp.config.grad_scale_func == optimizer.scale_loss
-        record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+        counters = CommCounters()
+        record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager, counters=counters)
         info = {
             "ring_sizes": sorted(set(step.plan.ring_sizes())),
             "micro_batch_counts": step.plan.micro_batch_counts(),
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "p2p_bytes": record.p2p_bytes,
+            "two_level_rings": 0 if two_level is None else sum(
+                two_level.two_level_group(r) > 1 for r in {mb.ring for mb in step.plan.ranks[rank].micro_batches}),
+            "bytes_by_level": (counters.steps[-1].total.intra_node_bytes_sent,
+                               counters.steps[-1].total.inter_node_bytes_sent),
         }
+        manager.two_level_topology = None
         if rank == 0:  # compare here: tensors do not survive the trip back through the queue
             _, ref_grads = out["reference"]
             info["grad_names_match"] = set(grads) == set(ref_grads)

@@ -30,6 +30,8 @@ EXPECTED_FLAGS = {
     "--bytescale-plan-prefetch",
     "--bytescale-cost-model",
     "--bytescale-ranks-per-node",
+    "--bytescale-two-level-ring",
+    "--no-bytescale-two-level-ring",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
 }

@@ -30,12 +30,15 @@ def test_entry_point_refuses_cp_hybrid_and_pp(results):
     assert "--pipeline-model-parallel-size 2" in refusals["pp"]
 
 
-@pytest.mark.parametrize("scheduler", ["balance", "naive", "static"])
+@pytest.mark.parametrize("scheduler", ["balance", "naive", "static", "balance-two-level"])
 def test_one_step_matches_single_process_reference(results, scheduler):
     ref_loss = results[0]["reference"]
     info = [r["grad"][scheduler] for r in results]
     if scheduler == "static":
         assert info[0]["ring_sizes"] == [4]
+    elif scheduler == "balance-two-level":  # 2 nodes of 2: the long sequence on a two-level ring
+        assert 4 in info[0]["ring_sizes"] and all(i["two_level_rings"] >= 1 for i in info)
+        assert all(i["bytes_by_level"][0] > 0 and i["bytes_by_level"][1] > 0 for i in info)
     else:
         assert {1, 2, 3} <= set(info[0]["ring_sizes"])
     if scheduler == "balance":

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from megatron_bytescale.integration.config import ByteScaleConfig, add_bytescale_args
-from megatron_bytescale.integration.planning import hdp_topology, make_step_planner
+from megatron_bytescale.integration.planning import check_two_level_heads, hdp_topology, make_step_planner
 from megatron_bytescale.planner.presets import preset_cost_model
 from megatron_bytescale.planner.topology import Topology
 
@@ -45,3 +45,17 @@ def test_step_planner_records_the_topology(monkeypatch):
         [3000, 500, 700, 200])
     assert plan.meta["topology"] == {"ranks_per_node": 2}
     assert plan.estimate.extra["ranks_per_node"] == 2
+
+
+def test_two_level_flag_plans_two_level_and_checks_heads():
+    args = add_bytescale_args(argparse.ArgumentParser()).parse_args(
+        ["--bytescale-hdp", "--bytescale-capacity", "8192", "--bytescale-two-level-ring"])
+    cfg = ByteScaleConfig.from_args(args)
+    assert cfg.two_level_ring
+    plan = make_step_planner(cfg, hdp_size=64, cost_model=CM, topology=Topology(ranks_per_node=8))(
+        [200_000, 30_000, 5000] + [1000] * 200)
+    assert plan.meta["ring_sizing"] in ("two-level", "flat")
+    check_two_level_heads(8, Topology(ranks_per_node=8))
+    check_two_level_heads(3, Topology(ranks_per_node=1))
+    with pytest.raises(ValueError, match="splits the 4 key/value heads .* over the 8 HDP ranks of a node"):
+        check_two_level_heads(4, Topology(ranks_per_node=8))

@@ -121,6 +121,9 @@ def test_plan_cli_reports_inter_node_bytes(tmp_path, capsys):
     assert main([str(lengths), "--hdp-size", "16", "--capacity", "4096", "--node-map", str(node_map),
                  "--quiet"]) == 0
     assert "(node map)" in capsys.readouterr().out
+    assert main([str(lengths), "--hdp-size", "16", "--capacity", "2048", "--ranks-per-node", "4",
+                 "--two-level-ring", "--quiet"]) == 0
+    assert "two-level rings" in capsys.readouterr().out
     assert main([str(lengths), "--hdp-size", "8", "--node-map", str(node_map), "--quiet"]) == 2
     assert "names 16 HDP ranks but --hdp-size is 8" in capsys.readouterr().err
     assert main([str(lengths), "--ranks-per-node", "0", "--quiet"]) == 2

@@ -78,7 +78,28 @@ WIDEN_PASSES = 4
 
 
 def plan_balance(request: PlanRequest) -> StepPlan:
-    """Alg. 2; see the module docstring."""
+    """Alg. 2; see the module docstring.
+
+    With two-level rings (``cost_model.two_level_ring``) long rings are sized in whole nodes and
+    costed two-level; the plan sized as for flat rings is planned too, both are estimated with
+    the two-level cost (each ring as it will run: two-level on whole nodes, else flat) and the
+    faster is kept (``meta["ring_sizing"]``), so turning two-level rings on never makes a plan
+    slower by the estimate (list scheduling can lose on differently shaped units).
+    """
+    cm = request.cost_model
+    if not cm.two_level_ring:
+        return _plan_balance(request)
+    best = None
+    for sizing, model in (("two-level", cm), ("flat", cm.with_(two_level_ring=False))):
+        plan = _plan_balance(replace(request, cost_model=model))
+        plan = replace(plan, meta={**plan.meta, "ring_sizing": sizing},
+                       estimate=estimate_plan(plan, cm, request.topology))
+        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+            best = plan
+    return best
+
+
+def _plan_balance(request: PlanRequest) -> StepPlan:
     request = apply_hdp_overlong(request)
     ctx = request.sharding_context()
     eq3_units = shard_batch(request.ids, request.lengths, ctx)
@@ -191,15 +212,13 @@ def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: Shard
     """Finish time of ``placements`` run in order, rings starting when all members are free."""
     by_seqs = {u.seqs: u for u in units}
     free = np.zeros(n)
-    topo = ctx.nodes
     for p in placements:
         u = by_seqs[p.seqs]
         if len(p.ring) == 1:
             free[p.ring[0]] += u.time
         else:
             idx = list(p.ring)
-            free[idx] = free[idx].max() + ctx.unit_time(u.lengths, len(p.ring), u.offload_ratio,
-                                                        intra_node=topo.ring_is_intra_node(p.ring))
+            free[idx] = free[idx].max() + ctx.ring_time(u.lengths, p.ring, u.offload_ratio)
     return float(free.max()) if n else 0.0
 
 
@@ -265,7 +284,7 @@ def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingCon
     d = len(picked)
 
     def time_on(ring: tuple[int, ...]) -> float:
-        return ctx.unit_time(u.lengths, d, u.offload_ratio, intra_node=topo.ring_is_intra_node(ring))
+        return ctx.ring_time(u.lengths, ring, u.offload_ratio)
 
     ring = topo.node_contiguous(picked)
     start = float(placer.loads[list(ring)].max())

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Topology-aware placement: what it costs in balance and planning time, what it saves in
+network bytes. Writes section ``topology`` of docs/benchmarks.md.
+
+For every batch (32M-token GitHub-like and Byted-like, 256K and 2M context, C = 8K, LLaMA-7B
+on 8-GPU H100 nodes, 1,024 HDP ranks; PP 2 for PP-Balance) it plans twice with ``balance``:
+
+* **load only**: the planner is told every rank is its own node (``Topology(ranks_per_node=1)``),
+  so rings go wherever the least-loaded ranks are, as before topology was in the planner;
+* **topology**: the real nodes (``Topology(ranks_per_node=8)``).
+
+Both plans are costed on the real nodes (``estimate_plan(plan, cm, Topology(8))``): step time,
+balance, rings inside one node, rings on more nodes than they need, inter-node and total P2P
+bytes. Then planning time at 16,384 ranks, CPU time, median of ``--repeats`` runs: the target
+is at most 20 % more than load-only placement. Every topology plan is planned twice and the
+content hashes compared (determinism).
+
+Usage: ``.venv/bin/python scripts/bench_topology.py [--repeats 5] [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
+
+from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
+from megatron_bytescale.planner.estimate import estimate_plan  # noqa: E402
+from megatron_bytescale.planner.presets import preset_cost_model  # noqa: E402
+from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
+from megatron_bytescale.planner.topology import Topology  # noqa: E402
+
+TOKENS = 32 * 2**20
+CAPACITY = 8192
+NODES = Topology(ranks_per_node=8)
+LOAD_ONLY = Topology(ranks_per_node=1)
+CASES = [  # dataset, context, ranks, pp
+    ("github", 262144, 1024, 1), ("byted", 262144, 1024, 1),
+    ("github", 2097152, 1024, 1), ("byted", 2097152, 1024, 1),
+    ("github", 262144, 1024, 2), ("byted", 262144, 1024, 2),
+]
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_topology] {msg}", file=sys.stderr, flush=True)
+
+
+def plan(lengths, topology, *, ranks, pp, context, cm, estimate=False):
+    return make_plan(lengths, scheduler="balance", hdp_size=ranks, capacity=CAPACITY, cost_model=cm,
+                     pp_size=pp, context_length=context, topology=topology, estimate=estimate)
+
+
+def cpu_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="runs per planning-time cell (median)")
+    ap.add_argument("--no-write", action="store_true", help="print only, leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    cm = preset_cost_model("llama-7b")
+    batches = {}
+    rows, deterministic = [], True
+    for ds, ctx, ranks, pp in CASES:
+        if (ds, ctx) not in batches:
+            batches[(ds, ctx)] = synthetic_lengths(ds, TOKENS, seed=0, max_length=ctx)
+        lengths = batches[(ds, ctx)]
+        steps = {}
+        for name, topo in (("load only", LOAD_ONLY), ("topology", NODES)):
+            progress(f"{ds} {ctx // 1024}K, {ranks} ranks, PP {pp}: {name} ...")
+            p = plan(lengths, topo, ranks=ranks, pp=pp, context=ctx, cm=cm)
+            if topo is NODES:
+                deterministic &= plan(lengths, topo, ranks=ranks, pp=pp, context=ctx, cm=cm).content_hash() == p.content_hash()
+            e = estimate_plan(p, cm, NODES)
+            x = e.extra
+            steps[name] = e.step_time_s
+            rows.append([
+                f"{ds} {ctx // 1024}K".replace("2048K", "2M") + (f", PP {pp}" if pp > 1 else ""), name, f"{e.step_time_s:.2f}",
+                f"{x['balance_ratio']:.3f}", f"{x['balance_ratio_vs_bound']:.3f}",
+                f"{x['rings_within_one_node']} / {x['rings_fitting_one_node']}",
+                f"{x['rings_over_min_nodes']} / {x['num_rings']}",
+                f"{x['inter_node_p2p_bytes'] / 2**40:.1f}", f"{e.p2p_bytes / 2**40:.1f}",
+                f"{x['inter_node_p2p_bytes'] / max(e.p2p_bytes, 1) * 100:.1f} %",
+            ])
+        rows[-1].append(f"{steps['topology'] / steps['load only']:.3f}")
+        rows[-2].append("")
+    trade = markdown_table(
+        ["batch", "placement", "step (s)", "balance", "vs max(bound, critical)", "rings in one node / fit one",
+         "rings on extra nodes / rings", "inter-node P2P (TiB)", "P2P (TiB)", "inter-node share",
+         "step topology / load only"], rows)
+
+    lat_rows, worst = [], 0.0
+    for ds in ("github", "byted"):
+        lengths = batches[(ds, 2097152)]
+        cells = {}
+        for name, topo in (("load only", LOAD_ONLY), ("topology", NODES)):
+            progress(f"planning time {ds} 2M, 16,384 ranks, {name} ...")
+            plan(lengths, topo, ranks=16384, pp=1, context=2097152, cm=cm, estimate=True)  # warm up
+            cells[name] = cpu_time(lambda: plan(lengths, topo, ranks=16384, pp=1, context=2097152, cm=cm,
+                                                estimate=True), args.repeats)
+        ratio = cells["topology"] / cells["load only"]
+        worst = max(worst, ratio)
+        lat_rows.append([f"{ds} 2M", "16,384", f"{cells['load only'] * 1e3:.0f}", f"{cells['topology'] * 1e3:.0f}",
+                         f"{(ratio - 1) * 100:+.1f} %"])
+    latency = markdown_table(["batch", "HDP ranks", "load only (ms CPU)", "topology (ms CPU)", "extra"], lat_rows)
+    worst_step = max(float(r[-1]) for r in rows if r[-1])
+    body = f"""## Topology: rings inside nodes, inter-node bytes (issue #13)
+
+`scripts/bench_topology.py --repeats {args.repeats}`. {machine_line()}
+
+32M-token batches (seed 0), C = {CAPACITY:,}, `{cm.name}` (8 GPUs per node: NVLink
+{cm.p2p_bandwidth_intra / 1e9:.0f} GB/s, network {cm.p2p_bandwidth_inter / 1e9:.0f} GB/s), 1,024 HDP ranks,
+`balance` with offload. *Load only*: planned as if every rank were its own node (rings on the
+least-loaded ranks wherever they are); *topology*: planned on the real 8-rank nodes. Both are
+costed on the real nodes. "Rings on extra nodes": rings spanning more nodes than ceil(D / 8).
+
+### The balance / bytes trade
+
+{trade}
+
+Worst step-time ratio (topology / load only): {worst_step:.3f} (goal: within 2 %). The
+inter-node bytes that remain belong to rings longer than a node: a ring of D ranks on k nodes,
+ordered node by node, sends k / D of its bytes over the network, the least any flat ring can.
+Shrinking that is the two-level ring's job ([docs/two_level_ring.md](two_level_ring.md)).
+
+### Planning time at 16,384 HDP ranks (make_plan with the estimate, median of {args.repeats})
+
+{latency}
+
+Worst: {(worst - 1) * 100:+.1f} % (goal: at most +20 %). Deterministic (same plan hash twice for
+every topology plan above): {"yes" if deterministic else "NO"}.
+"""
+    print(body)
+    if not args.no_write:
+        write_section("topology", body)
+        progress("wrote section 'topology' of docs/benchmarks.md")
+    return 0 if deterministic else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
