@@ -31,7 +31,8 @@ setup(
         # What Megatron-LM's `megatron.training` (pretrain_gpt.py) imports beyond the
         # megatron-core wheel; the tests run the patched pretrain_gpt.py, so `test` has them.
         "megatron-lm": MEGATRON_LM_EXTRAS,
-        "test": ["pytest>=7", "hypothesis>=6.80", *MEGATRON_LM_EXTRAS],
+        # tensorboard: the Megatron-LM tests read the HDP metrics back from its writer
+        "test": ["pytest>=7", "hypothesis>=6.80", "tensorboard", *MEGATRON_LM_EXTRAS],
         "ray": ["ray>=2.9"],
     },
     entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},

@@ -7,10 +7,12 @@ megatron imports.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 SUBCOMMANDS = {
     "plan": ("megatron_bytescale.tools.plan_cmd", "Plan a global batch over HDP ranks and compare schedulers."),
+    "simulate": ("megatron_bytescale.tools.simulate_cmd", "Simulate training steps of static, pow2 and HDP variants side by side, at any scale."),
     "demo": ("megatron_bytescale.tools.demo_cmd", "Train a small GPT on CPU: static DP x CP vs HDP naive vs HDP balance."),
 }
 
@@ -31,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"bytescale: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's 128 + SIGINT, no traceback
+        print(f"bytescale {name}: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the PP = 1 schedule driver
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
 ``activation_offloader``              the model's selective activation offloader (one per model)
+``HDPStepMetrics``                    a step's HDP metrics (``StepRecord.hdp``, Megatron's log)
 ====================================  =====================================================
 """
 
@@ -45,6 +46,7 @@ _EXPORTS = {
     "hdp_forward_step": "schedule",
     "token_level_loss": "schedule",
     "StepRecord": "schedule",
+    "HDPStepMetrics": "step_metrics",
     "calibrate_cost_model": "calibration",
     "activation_offloader": "offload",
     "decoder_layers": "offload",

@@ -66,7 +66,7 @@ def get_bytescale_layer_spec(
     if spec_kwargs.get("multi_latent_attention"):
         raise ValueError("multi-latent attention (MLA) is not supported with HDP")
     if spec_kwargs.get("num_experts"):
-        raise ValueError("MoE layer specs are not supported with HDP yet")
+        raise ValueError("MoE layer specs are not supported with HDP: build a dense model (no num_experts)")
     use_te = (
         transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     )

@@ -190,6 +190,9 @@ def validate_args(args: Any) -> ByteScaleConfig:
         logger.warning("--bytescale-hdp replaces --dataloader-type %s with its own global-batch "
                        "iterator", args.dataloader_type)
     args.dataloader_type = "external"
+    from .megatron_lm_metrics import explain_micro_batch_count
+
+    explain_micro_batch_count()  # Megatron's "constant N micro-batches" line is not what runs
     if not explicit_capacity:
         logger.warning(
             "%s defaults to --seq-length (%s): every document fits on one rank, so HDP only "

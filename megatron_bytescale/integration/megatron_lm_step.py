@@ -86,7 +86,8 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     ``config.finalize_model_grads_func`` with this rank's loss-token count (all-reduced there
     over the HDP group). Returns the per-micro-batch ``{'lm loss': [loss_sum, tokens]}``
     reports; a rank without micro-batches returns one zero report, so it still joins
-    ``train_step``'s all-reduce of the loss.
+    ``train_step``'s all-reduce of the loss. In training, every report also carries the step's
+    HDP metrics (:mod:`.megatron_lm_metrics`), which Megatron logs with the loss.
     """
     from megatron.core.utils import get_model_config
 
@@ -110,11 +111,15 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     config = get_model_config(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    from megatron_bytescale.runtime import CommCounters
+
+    manager = get_hdp_manager()
     offloader = None if forward_only else _offloader(model)
-    _, tokens, store = run_micro_batches(step, model=model, config=config,
-                                         manager=get_hdp_manager(),
-                                         forward_step_func=forward_step_func,
-                                         forward_only=forward_only, offloader=offloader)
+    records, tokens, store = run_micro_batches(step, model=model, config=config,
+                                               manager=manager,
+                                               forward_step_func=forward_step_func,
+                                               forward_only=forward_only,
+                                               counters=CommCounters(), offloader=offloader)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens if config.calculate_per_token_loss else None,
@@ -132,6 +137,10 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
         config.timers("forward-backward").stop()
     if not store:
         store.append({"lm loss": torch.zeros(2, device=tokens.device)})
+    if not forward_only:  # the step's HDP metrics: Megatron's log line, TensorBoard, W&B
+        from .megatron_lm_metrics import report_step_metrics
+
+        report_step_metrics(step, records, store, manager=manager, args=megatron_args())
     return store
 
 

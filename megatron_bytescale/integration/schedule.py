@@ -38,6 +38,7 @@ from megatron_bytescale.runtime.offload import offload_micro_batch
 
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
+from .step_metrics import HDPStepMetrics, gather_step_metrics
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
@@ -152,6 +153,9 @@ class StepRecord:
     offload: Optional["OffloadStats"] = None
     """Activation offload of the step (bytes offloaded / reloaded, peak resident saved bytes,
     reload waits); None when the step ran without an offloader."""
+    hdp: Optional[HDPStepMetrics] = None
+    """The step's HDP metrics, the same on every rank (rings, micro-batches per rank, balance,
+    slowest / fastest busy time, P2P bytes, plan wait, offloaded micro-batches)."""
 
     @property
     def tokens(self) -> int:
@@ -230,6 +234,9 @@ def run_hdp_step(
     update_successful, _grad_norm, _zeros = optimizer.step()
     optimizer_wall_s = time.perf_counter() - opt0
 
+    hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
+        step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
+        group=manager.hdp.group))  # fmt: skip
     loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
     offload_stats = offloader.end_step() if offloader is not None else None  # after the step: may sync
     return StepRecord(
@@ -248,6 +255,7 @@ def run_hdp_step(
         finished_at=time.time(),
         update_successful=bool(update_successful),
         offload=offload_stats,
+        hdp=hdp,
     )
 
 
@@ -318,7 +326,7 @@ def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
     ddp_config = getattr(model, "ddp_config", None)
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP yet: a rank that runs no "
+            "overlap_grad_reduce=True is not supported with HDP: a rank that runs no "
             "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
             "expects it to; use overlap_grad_reduce=False"
         )

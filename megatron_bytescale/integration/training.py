@@ -152,7 +152,7 @@ def wrap_for_hdp(
         )
     if overlap_grad_reduce:
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP yet (ranks may run zero "
+            "overlap_grad_reduce=True is not supported with HDP (ranks may run zero "
             "micro-batches, and Megatron's overlapped reduction is driven by backward hooks); "
             "use overlap_grad_reduce=False"
         )

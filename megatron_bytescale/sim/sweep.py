@@ -166,13 +166,16 @@ def _summary(variant: Variant, context: int | None, results: list[StepResult]) -
 
 
 def drop_per_doubling(summaries: Sequence[Summary], variant: str) -> float:
-    """Geometric mean of throughput(context) / throughput(2 x context) over the doublings in
-    ``summaries`` for ``variant`` (paper §8.2: baseline ~2x, naive 1.23x, balance 1.08x);
-    NaN without two comparable points."""
+    """How much ``variant``'s throughput falls per doubling of the context (paper §8.2:
+    baseline ~2x, naive 1.23x, balance 1.08x on average): ``(T(shortest) / T(longest)) **
+    (1 / doublings between them)``, the geometric mean of the per-doubling ratios. NaN
+    without two context lengths."""
     points = sorted((s.context_length, s.tokens_per_s) for s in summaries
                     if s.variant.name == variant and s.ok and s.context_length)
-    ratios = [a_t / b_t for (a_c, a_t), (b_c, b_t) in zip(points, points[1:]) if b_c == 2 * a_c and b_t > 0]
-    return float(np.exp(np.mean(np.log(ratios)))) if ratios else math.nan
+    if len(points) < 2 or points[-1][1] <= 0:
+        return math.nan
+    (c0, t0), (c1, t1) = points[0], points[-1]
+    return float((t0 / t1) ** (1.0 / math.log2(c1 / c0)))
 
 
 def format_tokens(n: int | None) -> str:

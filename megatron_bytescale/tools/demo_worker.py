@@ -169,6 +169,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     results: dict[str, Any] = {
         "settings": json.loads(settings.to_json()),
         "world_size": dist.get_world_size(),
+        "cpu_count": os.cpu_count(),
         "vocab_size": vocab_size,
         "calibration": {
             "cost_model": calibration.cost_model.to_dict(),
@@ -238,7 +239,9 @@ def train_mode(
             "p2p_bytes": record.p2p_bytes, "tokens": record.tokens, "loss_sum": record.loss_sum,
             "micro_batches": len(record.micro_batches), "started_at": record.started_at,
             "done_at": record.micro_batches_done_at, "finished_at": record.finished_at,
-            "plan_s": plan_s,
+            "plan_s": plan_s, "optimizer_wall_s": record.optimizer_wall_s,
+            # per micro-batch: order, ring size, tokens held, CPU seconds, wall seconds
+            "mb": [[m.order, m.ring_size, m.tokens, m.busy_s, m.wall_s] for m in record.micro_batches],
         }  # fmt: skip
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -269,6 +272,7 @@ def step_row(
         "tokens": step.total_tokens,
         "loss_tokens": step.global_loss_tokens,
         "wall_s": wall,
+        "phase_wall_s": max(r["done_at"] for r in per_rank) - min(r["started_at"] for r in per_rank),
         "tokens_per_s": step.total_tokens / wall if wall > 0 else 0.0,
         "p2p_bytes": sum(r["p2p_bytes"] for r in per_rank),
         "p2p_bytes_formula": p2p_bytes_formula,
@@ -281,6 +285,11 @@ def step_row(
         "ring_sizes": dict(sorted(Counter(step.plan.ring_sizes()).items())),
         "plan_s": max(r["plan_s"] for r in per_rank),
         "estimated_step_s": estimate.step_time_s if estimate is not None else None,
+        "optimizer_wall_s": [r["optimizer_wall_s"] for r in per_rank],
+        # what the simulator needs to replan and re-time this step (docs/reproduction.md)
+        "lengths": [s.length for s in sorted(step.plan.sequences, key=lambda s: s.id)],
+        "plan_hash": step.plan.content_hash(),
+        "micro_batch_records": [r["mb"] for r in per_rank],
     }
 
 

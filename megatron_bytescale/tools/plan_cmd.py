@@ -13,7 +13,6 @@ Errors exit with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,70 +20,28 @@ from typing import Any, Sequence
 
 import numpy as np
 
-DEFAULT_GLOBAL_TOKENS = 32 * 2**20
-DEFAULT_CONTEXT = 2_097_152
+from .plan_inputs import (
+    OneLineArgumentParser,
+    add_cluster_arguments,
+    add_data_arguments,
+    add_scheduling_arguments,
+    load_cost_model,
+    load_lengths,
+    load_topology,
+    run_command,
+)
+
 SCHEDULER_ORDER = ("balance", "naive", "static", "pow2")
 
 
-class _UsageError(Exception):
-    """Bad command line, reported like every other error (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise _UsageError(message)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a size, a count, a number of tokens)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineArgumentParser(
         prog="bytescale plan",
         description="Plan one global batch over HDP ranks with ByteScale's schedulers and show "
                     "what each would cost (estimated with the analytic or a saved cost model).",
     )
-    data = p.add_argument_group("data")
-    data.add_argument("lengths", nargs="?", help="lengths file: text (one int per line), JSON list, "
-                      "or a Megatron indexed dataset (.idx, .bin or prefix); default: --synthetic")
-    data.add_argument("--synthetic", choices=["github", "byted", "lognormal", "uniform"], default=None,
-                      help="synthetic dataset when no file is given (default byted)")
-    data.add_argument("--global-tokens", type=positive_int, default=DEFAULT_GLOBAL_TOKENS,
-                      help=f"tokens of the synthetic batch (default {DEFAULT_GLOBAL_TOKENS:,})")
-    data.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch (default 0)")
-    data.add_argument("--context-length", type=positive_int, default=None,
-                      help="longest allowed sequence and the static baseline's context; also the "
-                           f"synthetic max length (default {DEFAULT_CONTEXT:,} for synthetic data, "
-                           "the longest sequence for files)")
-
-    cluster = p.add_argument_group("cluster and model")
-    cluster.add_argument("--hdp-size", type=positive_int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
-    cluster.add_argument("--capacity", type=positive_int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
-    cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
-    cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
-                         help="TP degree (default: the model preset's)")
-    cluster.add_argument("--model", default="llama-7b",
-                         help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
-                              "mistral-8x22b (default llama-7b)")
-    cluster.add_argument("--cost-model", default=None, metavar="FILE",
-                         help="cost model JSON (CostModel.save, e.g. from calibration) instead of --model")
-    cluster.add_argument("--ranks-per-node", type=int, default=None,
-                         help="HDP ranks per node: HDP rank r is on node r // N (default: the cost "
-                              "model's, GPUs per node / TP for the presets)")
-    cluster.add_argument("--two-level-ring", action="store_true",
-                         help="cost rings over several whole nodes as two-level (head-split all-to-all "
-                              "in the node, ring between nodes), as --bytescale-two-level-ring runs them")
-    cluster.add_argument("--node-map", default=None, metavar="FILE",
-                         help="node of every HDP rank instead of --ranks-per-node: a JSON list or one "
-                              "integer per line, HDP rank order")
+    add_data_arguments(p)
+    add_cluster_arguments(p)
 
     sched = p.add_argument_group("scheduling")
     sched.add_argument("--scheduler", default="balance", choices=list(SCHEDULER_ORDER),
@@ -94,11 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--host-memory-gb", type=float, default=None,
                        help="host memory per HDP rank (GB) offloaded activations may fill (default: "
                             "the cost model's, unlimited unless it sets one)")
-    sched.add_argument("--overlong", choices=["error", "drop", "truncate"], default="error",
-                       help="what to do with a sequence that cannot fit (default error)")
-    sched.add_argument("--align", type=positive_int, default=1, help="zigzag padding alignment per part (default 1)")
-    sched.add_argument("--delta", type=float, default=0.05, help="Alg. 2 threshold, fraction of max time (default 0.05)")
-    sched.add_argument("--num-buckets", type=positive_int, default=4, help="Alg. 2 equal-work buckets (default 4)")
+    add_scheduling_arguments(sched)
 
     out = p.add_argument_group("output")
     out.add_argument("--compare", action="store_true", help="run every scheduler and print them side by side")
@@ -115,67 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _progress(args: argparse.Namespace, msg: str) -> None:
     if not args.quiet:
         print(f"[bytescale plan] {msg}", file=sys.stderr, flush=True)
-
-
-def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    if args.lengths is not None:
-        if args.synthetic is not None:
-            raise ValueError("give either a lengths file or --synthetic, not both")
-        path = Path(args.lengths)
-        if path.suffix in (".idx", ".bin") or (not path.exists() and Path(str(path) + ".idx").exists()):
-            from ..integration.indexed_lengths import read_indexed_lengths
-
-            return read_indexed_lengths(path), f"Megatron index {path}"
-        from ..data.lengths import read_lengths
-
-        return read_lengths(path), f"file {path}"
-    from ..data.synthetic import synthetic_lengths
-
-    name = args.synthetic or "byted"
-    max_len = args.context_length or DEFAULT_CONTEXT
-    lengths = synthetic_lengths(name, args.global_tokens, seed=args.seed, max_length=max_len)
-    return lengths, f"synthetic {name} ({args.global_tokens:,} tokens, seed {args.seed}, max {max_len:,})"
-
-
-def _cost_model(args: argparse.Namespace) -> tuple[Any, int]:
-    from ..planner.cost_model import CostModel
-    from ..planner.presets import model_spec, preset_cost_model
-
-    host = getattr(args, "host_memory_gb", None)
-    if host is not None and not (host > 0 and host != float("inf")):
-        raise ValueError(f"--host-memory-gb ({host}) must be a positive number of GB")
-    budget = {} if host is None else {"host_memory_bytes": host * 1e9}
-    if args.cost_model:
-        cm = CostModel.load(args.cost_model).with_(**budget)
-        return cm, args.pp_size or 1
-    spec = model_spec(args.model)
-    cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size).with_(**budget)
-    return cm, args.pp_size or spec.pipeline_parallel_size
-
-
-def _topology(args: argparse.Namespace, cost_model: Any) -> Any:
-    from ..planner.topology import Topology
-
-    if args.node_map is not None:
-        if args.ranks_per_node is not None:
-            raise ValueError("give either --ranks-per-node or --node-map, not both")
-        path = Path(args.node_map)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot read --node-map {str(path)!r}: {exc.strerror or exc}") from exc
-        try:
-            nodes = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
-        except (json.JSONDecodeError, ValueError) as exc:
-            raise ValueError(f"--node-map {str(path)!r} must be a JSON list or one integer per line: {exc}") from exc
-        if len(nodes) != args.hdp_size:
-            raise ValueError(f"--node-map {str(path)!r} names {len(nodes)} HDP ranks but --hdp-size is {args.hdp_size}")
-        return Topology.from_node_map(nodes)
-    if args.ranks_per_node is not None:
-        if args.ranks_per_node < 1:
-            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1")
-        return Topology(ranks_per_node=args.ranks_per_node)
-    return Topology.of(cost_model)
 
 
 # --------------------------------------------------------------------------- output
@@ -257,14 +149,9 @@ def _report_overlong(plan: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..planner.schedulers import make_plan
 
-    lengths, source = _load_lengths(args)
-    if len(lengths) == 0:
-        raise ValueError(f"{source} holds no sequences (no lengths, or only empty documents): "
-                         "nothing to plan")
-    cost_model, pp_size = _cost_model(args)
-    if args.two_level_ring:
-        cost_model = cost_model.with_(two_level_ring=True)
-    topology = _topology(args, cost_model)
+    lengths, source = load_lengths(args)
+    cost_model, pp_size = load_cost_model(args)
+    topology = load_topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
     names = list(SCHEDULER_ORDER) if args.compare else [args.scheduler]
@@ -320,16 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bytescale plan``; returns the exit status."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-        return run(args)
-    except _UsageError as exc:
-        print(f"bytescale plan: error: {exc} (see bytescale plan --help)", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, ImportError, json.JSONDecodeError) as exc:
-        print(f"bytescale plan: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command("bytescale plan", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

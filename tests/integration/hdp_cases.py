@@ -11,6 +11,8 @@ of loss tokens. fp32 throughout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any
 
@@ -235,6 +237,9 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "p2p_bytes": record.p2p_bytes,
+            "busy_s": record.busy_s,
+            "plan_wait_s": step.plan_wait_s,
+            "hdp": dataclasses.asdict(record.hdp),
             "two_level_rings": 0 if two_level is None else sum(
                 two_level.two_level_group(r) > 1 for r in {mb.ring for mb in step.plan.ranks[rank].micro_batches}),
             "bytes_by_level": (counters.steps[-1].total.intra_node_bytes_sent,

@@ -105,6 +105,13 @@ def test_demo_runs_end_to_end(tmp_path):
     header = next(line for line in done.stdout.splitlines() if "cost model (per layer" in line)
     assert f"{saved['alpha1']:.3g} s^2 + {saved['beta1']:.3g} s + {saved['gamma']:.3g} seconds" in header
     assert f"ring step overhead {saved['ring_step_overhead_s'] * 1e3:.2f} ms per layer" in header
+    # every step is recorded well enough for the simulator to replan it identically
+    from megatron_bytescale.sim.demo_validation import validate_demo
+
+    for v in validate_demo(results, skip_first=False):
+        assert v.plans_matching == v.steps == 3, (v.dataset, v.mode)
+        assert len(v.samples) == sum(sum(s["micro_batches"]) for s in modes[v.mode]["steps"])
+        assert all(s.measured_s > 0 and s.predicted_s > 0 for s in v.samples)
 
 
 def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path):

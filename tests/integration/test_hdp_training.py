@@ -50,6 +50,29 @@ def test_one_step_matches_single_process_reference(results, scheduler):
     assert worst <= TOLERANCE, f"{scheduler}: max relative gradient error {worst:.2e}"
 
 
+@pytest.mark.parametrize("scheduler", ["balance", "static"])
+def test_step_record_carries_the_step_hdp_metrics(results, scheduler):
+    """The same metrics on every rank: the plan's rings and counts, the measured extremes."""
+    info = [r["grad"][scheduler] for r in results]
+    metrics = [i["hdp"] for i in info]
+    assert all(m == metrics[0] for m in metrics)
+    m, counts = metrics[0], info[0]["micro_batch_counts"]
+    sizes = {size for size, _ in m["rings_by_size"]}
+    assert sizes == set(info[0]["ring_sizes"])
+    assert m["rings"] == sum(n for size, n in m["rings_by_size"] if size > 1) > 0
+    assert m["largest_ring"] == max(sizes)
+    assert (m["micro_batches_min"], m["micro_batches_max"]) == (min(counts), max(counts))
+    assert m["micro_batches_mean"] == pytest.approx(sum(counts) / len(counts))
+    busy = [i["busy_s"] for i in info]
+    assert m["busy_max_s"] == pytest.approx(max(busy), rel=1e-6)
+    assert m["busy_min_s"] == pytest.approx(min(busy), rel=1e-6)
+    assert m["idle_fraction"] == pytest.approx(1 - sum(busy) / len(busy) / max(busy), abs=1e-6)
+    assert m["p2p_mb"] == pytest.approx(sum(i["p2p_bytes"] for i in info) / 1e6, rel=1e-6)
+    assert m["plan_wait_ms"] == pytest.approx(1e3 * max(i["plan_wait_s"] for i in info),
+                                              rel=1e-6, abs=1e-6)
+    assert m["estimated_balance"] >= 1.0 and m["offloaded_micro_batches"] == 0
+
+
 def test_loss_is_scaled_by_the_optimizer(results):
     """fp16 optimizers divide the gradients by their loss scale, so the backward must scale."""
     assert all(r["grad_scale_func"] for r in results)

@@ -30,6 +30,7 @@ from megatron_bytescale.integration.megatron_lm_data import (
     mock_document_source,
     split_bounds,
 )
+from megatron_bytescale.integration.step_metrics import METRIC_NAMES
 from megatron_bytescale.testing.distributed import run_distributed
 
 from .megatron_lm_cases import TOLERANCE, random_documents, write_indexed_dataset
@@ -364,7 +365,11 @@ def _megatron_train_step(ddp, optimizer, data_iterator, *, forward_only=False):
     )
     summed = torch.vstack([r["lm loss"].view(-1) for r in reports]).sum(dim=0)
     dist.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return float(summed[0] / summed[1]), len(reports), [r["lm loss"].tolist() for r in reports]
+    # the other keys as train_step reduces one-element reports: their mean over the reports
+    extra = {k: float(torch.cat([r[k].view(-1) for r in reports]).mean())
+             for k in reports[0] if k != "lm loss"}
+    return (float(summed[0] / summed[1]), len(reports), [r["lm loss"].tolist() for r in reports],
+            extra)
 
 
 def hooks_rank_body(rank: int, world_size: int, prefix: str) -> dict[str, Any]:
@@ -420,12 +425,12 @@ def hooks_rank_body(rank: int, world_size: int, prefix: str) -> dict[str, Any]:
     def compare(name, iterator, recording, forward_only=False):
         ddp, optimizer = fresh()
         grads = {} if forward_only else grab_grads_before_step(ddp, optimizer)
-        loss, reports, values = _megatron_train_step(ddp, optimizer, iterator,
-                                                      forward_only=forward_only)
+        loss, reports, values, metrics = _megatron_train_step(ddp, optimizer, iterator,
+                                                               forward_only=forward_only)
         if not forward_only:
             optimizer.step()
         step = recording.last
-        info = {"loss": loss, "reports": reports, "values": values,
+        info = {"loss": loss, "reports": reports, "values": values, "metrics": metrics,
                 "micro_batches": step.num_micro_batches,
                 "rings": sorted({mb.ring_size for mb in step.micro_batches})}
         if rank == 0:
@@ -549,6 +554,39 @@ def test_resume_from_consumed_samples_continues_the_uninterrupted_run(rank_resul
 
 def test_forward_only_matches_single_process_loss(rank_results):
     assert rank_results[0]["evaluate"]["loss_error"] <= TOLERANCE
+
+
+def test_training_reports_carry_the_step_hdp_metrics_for_megatron_to_log(rank_results):
+    """Megatron logs every report key: the metrics ride along, equal on every rank."""
+    metrics = [r["zero_rank"]["metrics"] for r in rank_results]
+    # (equal up to float32 rounding of the mean over each rank's number of reports)
+    for m in metrics:
+        assert m == pytest.approx(metrics[0], rel=1e-6)
+    m = metrics[0]
+    assert set(m) == set(METRIC_NAMES.values())
+    # the manual plan: micro-batches 3/2/2/0, one ring of 2 ranks, the rest local
+    assert (m["hdp mb/rank min"], m["hdp mb/rank mean"], m["hdp mb/rank max"]) == \
+        pytest.approx((0, 1.75, 3))
+    assert (m["hdp rings>1"], m["hdp largest ring"], m["hdp offloaded mb"]) == \
+        pytest.approx((1, 2, 0))
+    assert m["hdp busy max s"] >= m["hdp busy min s"] >= 0 and 0 <= m["hdp idle frac"] < 1
+    assert m["hdp p2p MB"] > 0  # the ring of two sent its K/V
+    most = max(x["train_step"]["micro_batches"] for x in rank_results)
+    assert all(r["train_step"]["metrics"]["hdp mb/rank max"] == pytest.approx(most)
+               for r in rank_results)
+    assert rank_results[0]["evaluate"]["metrics"] == {}  # evaluation logs its loss only
+
+
+def test_megatron_constant_micro_batch_line_says_what_hdp_runs(caplog):
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
+
+    megatron_lm.validate_args(megatron_namespace("--bytescale-hdp", mock_data=True,
+                                                 **tiny_model_args()))
+    with caplog.at_level("INFO", logger="megatron.core.num_microbatches_calculator"):
+        _build_num_microbatches_calculator(0, None, 8, 1, 4, False)
+    line = [r.getMessage() for r in caplog.records if "constant" in r.getMessage()]
+    assert line and line[0].startswith("setting number of microbatches to constant 2 ")
+    assert "each rank runs the micro-batches its step plan gives it" in line[0]
 
 
 # ----------------------------------------------------------------------------- Megatron-LM

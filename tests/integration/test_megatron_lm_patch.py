@@ -78,7 +78,9 @@ PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
                   "--seq-length", "512", "--max-position-embeddings", "512",
                   "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-                  "--transformer-impl", "local",
+                  "--transformer-impl", "local", "--swiglu", "--normalization", "RMSNorm",
+                  "--qk-layernorm", "--recompute-granularity", "full", "--recompute-method",
+                  "uniform", "--recompute-num-layers", "1",
                   "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
                   "--lr-decay-style", "constant", "--use-cpu-initialization", "--clip-grad", "0.0",
                   "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -106,15 +108,18 @@ def _losses(stdout: str) -> list[float]:
 def pretrain_runs(patched_megatron_lm, tmp_path_factory):
     """Four iterations (evaluation at 2 and 4) with a batch-size ramp-up on a weighted blend of
     two indexed datasets, on 2 ranks (capacity 256, checkpoints at 2 and 4 in
-    ``runs["ckpt"]``) and on 1 (512); the data flags are under the key ``"data"``."""
+    ``runs["ckpt"]``, TensorBoard in ``runs["tensorboard"]``) and on 1 (512); the data flags
+    are under the key ``"data"``."""
     workdir = tmp_path_factory.mktemp("pretrain")
     write_indexed_dataset(workdir / "a_text_document", random_documents(3, 200, vocab=255))
     write_indexed_dataset(workdir / "b_text_document", random_documents(4, 100, vocab=255))
     data = ["--data-path", "0.7", str(workdir / "a_text_document"), "0.3",
             str(workdir / "b_text_document"), "--split", "90,5,5", *RAMPUP]
     runs: dict[Any, Any] = {"data": data, "ckpt": workdir / "ckpt"}
+    runs["tensorboard"] = workdir / "tensorboard"
     runs[2] = _pretrain(patched_megatron_lm, workdir, 2, *data, "--bytescale-capacity", "256",
-                        "--save", str(runs["ckpt"]), "--save-interval", "2")
+                        "--save", str(runs["ckpt"]), "--save-interval", "2",
+                        "--tensorboard-dir", str(runs["tensorboard"]))
     runs[1] = _pretrain(patched_megatron_lm, workdir, 1, *data, "--bytescale-capacity", "512")
     return runs
 
@@ -147,6 +152,45 @@ def test_patched_pretrain_gpt_trains_on_cpu_ranks(pretrain_runs):
         for got, samples in zip(tokens, STEP_SAMPLES):
             assert samples * 512 - 2 < got <= samples * 512
         assert re.findall(r"global batch size:\s+(\d+)", run) == ["2", "2", "4", "4"]
+
+
+def _per_step_counts(stdout: str) -> list[list[int]]:
+    """Micro-batches of every rank, per training step (from the probe)."""
+    checks = re.findall(r"HDPCHECK rank (\d) micro_batches (\d+) rings \[[^\]]*\] "
+                        r"forward_only False", stdout)
+    ranks = len({rank for rank, _ in checks})
+    return [[int(c[1]) for c in checks[i:i + ranks]] for i in range(0, len(checks), ranks)]
+
+
+def test_hdp_metrics_reach_megatron_log_line_and_tensorboard(pretrain_runs):
+    """Every iteration line carries the HDP metrics, a summary line precedes it, and Megatron's
+    TensorBoard writer records them per step (W&B, when on, gets the same keys from Megatron)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = pretrain_runs[2]
+    counts = _per_step_counts(run)
+    assert len(counts) == 4
+    lines = [x for x in run.splitlines() if re.search(r"\] iteration\s+\d+/", x)]
+    assert len(lines) == 4
+    for name in ("hdp mb/rank max", "hdp busy max s", "hdp idle frac", "hdp p2p MB",
+                 "hdp est. balance", "hdp rings>1"):
+        assert all(f"{name}: " in line for line in lines), name
+    summaries = re.findall(r"\[ByteScale HDP\] iteration\s+(\d+) \| rings ([\dx ]+) \| "
+                           r"micro-batches/rank min/mean/max (\d+)/([\d.]+)/(\d+) \| "
+                           r"estimated balance ([\d.]+) \| busy max ([\d.]+) s", run)
+    assert [int(s[0]) for s in summaries] == [1, 2, 3, 4]
+    for summary, step in zip(summaries, counts):
+        assert (int(summary[2]), int(summary[4])) == (min(step), max(step))
+        assert float(summary[3]) == pytest.approx(sum(step) / len(step), abs=0.005)
+        assert "2x" in summary[1] or "1x" in summary[1]
+    events = EventAccumulator(str(next(pretrain_runs["tensorboard"].glob("events.*"))))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"hdp mb/rank min", "hdp mb/rank max", "hdp busy max s", "hdp p2p MB",
+            "hdp plan wait ms", "hdp offloaded mb"} <= scalars
+    assert any(t.startswith("hdp rings of size ") for t in scalars)
+    written = {e.step: e.value for e in events.Scalars("hdp mb/rank max")}
+    assert written == {i + 1: max(step) for i, step in enumerate(counts)}
 
 
 def test_patched_pretrain_gpt_resumes_from_a_checkpoint(patched_megatron_lm, pretrain_runs,

@@ -205,3 +205,32 @@ def test_bytescale_plan_never_prints_a_traceback(tmp_path):
     run = subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "plan", str(bad)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+
+
+def test_no_error_message_points_to_an_issue_or_a_later_version():
+    """Refusals say what is unsupported and what to do, not "a later issue" / "not yet"."""
+    import ast
+    import re
+
+    bad = re.compile(r"later issue|not yet|\byet\b|\bissue \d", re.I)
+    found = []
+    for path in sorted((REPO / "megatron_bytescale").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = " ".join(c.value for c in ast.walk(node.exc)
+                                if isinstance(c, ast.Constant) and isinstance(c.value, str))
+                if bad.search(text):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text[:80]}")
+    assert not found, found
+
+
+def test_ctrl_c_in_any_subcommand_is_one_line(monkeypatch, capsys):
+    from megatron_bytescale import cli
+    from megatron_bytescale.tools import plan_cmd
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_cmd, "main", interrupted)
+    assert cli.main(["plan"]) == 130
+    assert capsys.readouterr().err == "bytescale plan: interrupted (SIGINT)\n"

@@ -1,0 +1,179 @@
+"""The data and cluster arguments that ``bytescale plan`` and ``bytescale simulate`` share.
+
+Both commands take the same global batch (a lengths file, a Megatron index, or a synthetic
+mix) and the same cluster (HDP ranks, capacity, model preset or saved cost model, TP/PP,
+nodes), so a plan and its simulation always describe the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+DEFAULT_GLOBAL_TOKENS = 32 * 2**20
+DEFAULT_CONTEXT = 2_097_152
+
+
+class UsageError(Exception):
+    """Bad command line, reported like every other error (one line, exit 2)."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump), like every other error."""
+
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a count, a number of tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def run_command(prog: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+                argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run; bad input of any kind is one line on stderr and exit status 2."""
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        return run(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError, json.JSONDecodeError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``data`` group: lengths file or ``--synthetic``, batch size, seed, context."""
+    data = p.add_argument_group("data")
+    data.add_argument("lengths", nargs="?", help="lengths file: text (one int per line), JSON list, "
+                      "or a Megatron indexed dataset (.idx, .bin or prefix); default: --synthetic")
+    data.add_argument("--synthetic", choices=["github", "byted", "lognormal", "uniform"], default=None,
+                      help="synthetic dataset when no file is given (default byted)")
+    data.add_argument("--global-tokens", type=positive_int, default=DEFAULT_GLOBAL_TOKENS,
+                      help=f"tokens of the synthetic batch (default {DEFAULT_GLOBAL_TOKENS:,})")
+    data.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch (default 0)")
+    data.add_argument("--context-length", type=positive_int, default=None,
+                      help="longest allowed sequence and the static baseline's context; also the "
+                           f"synthetic max length (default {DEFAULT_CONTEXT:,} for synthetic data, "
+                           "the longest sequence for files)")
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``cluster and model`` group: HDP size, capacity, PP/TP, model or cost model, nodes."""
+    cluster = p.add_argument_group("cluster and model")
+    cluster.add_argument("--hdp-size", type=positive_int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
+    cluster.add_argument("--capacity", type=positive_int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
+    cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
+    cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
+                         help="TP degree (default: the model preset's)")
+    cluster.add_argument("--model", default="llama-7b",
+                         help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
+                              "mistral-8x22b (default llama-7b)")
+    cluster.add_argument("--cost-model", default=None, metavar="FILE",
+                         help="cost model JSON (CostModel.save, e.g. from calibration) instead of --model")
+    cluster.add_argument("--ranks-per-node", type=int, default=None,
+                         help="HDP ranks per node: HDP rank r is on node r // N (default: the cost "
+                              "model's, GPUs per node / TP for the presets)")
+    cluster.add_argument("--two-level-ring", action="store_true",
+                         help="cost rings over several whole nodes as two-level (head-split all-to-all "
+                              "in the node, ring between nodes), as --bytescale-two-level-ring runs them")
+    cluster.add_argument("--node-map", default=None, metavar="FILE",
+                         help="node of every HDP rank instead of --ranks-per-node: a JSON list or one "
+                              "integer per line, HDP rank order")
+
+
+def add_scheduling_arguments(group: Any) -> None:
+    """Scheduler settings every scheduler shares: overlong handling, alignment, Alg. 2's knobs."""
+    group.add_argument("--overlong", choices=["error", "drop", "truncate"], default="error",
+                       help="what to do with a sequence that cannot fit (default error)")
+    group.add_argument("--align", type=positive_int, default=1, help="zigzag padding alignment per part (default 1)")
+    group.add_argument("--delta", type=float, default=0.05, help="Alg. 2 threshold, fraction of max time (default 0.05)")
+    group.add_argument("--num-buckets", type=positive_int, default=4, help="Alg. 2 equal-work buckets (default 4)")
+
+
+def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """The global batch's sequence lengths from the data arguments, and where they came from."""
+    if args.lengths is not None:
+        if args.synthetic is not None:
+            raise ValueError("give either a lengths file or --synthetic, not both")
+        path = Path(args.lengths)
+        if path.suffix in (".idx", ".bin") or (not path.exists() and Path(str(path) + ".idx").exists()):
+            from ..integration.indexed_lengths import read_indexed_lengths
+
+            lengths, source = read_indexed_lengths(path), f"Megatron index {path}"
+        else:
+            from ..data.lengths import read_lengths
+
+            lengths, source = read_lengths(path), f"file {path}"
+        if len(lengths) == 0:
+            raise ValueError(f"{source} holds no sequences (no lengths, or only empty documents): "
+                             "nothing to plan")
+        return lengths, source
+    from ..data.synthetic import synthetic_lengths
+
+    name = args.synthetic or "byted"
+    max_len = args.context_length or DEFAULT_CONTEXT
+    lengths = synthetic_lengths(name, args.global_tokens, seed=args.seed, max_length=max_len)
+    return lengths, f"synthetic {name} ({args.global_tokens:,} tokens, seed {args.seed}, max {max_len:,})"
+
+
+def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
+    """The cost model (``--cost-model`` file, else the ``--model`` preset at its or the given
+    TP; two-level rings with ``--two-level-ring``) and the PP size (``--pp-size``, else the
+    preset's, else 1)."""
+    from ..planner.cost_model import CostModel
+    from ..planner.presets import model_spec, preset_cost_model
+
+    if args.cost_model:
+        cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
+    else:
+        cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size)
+        pp = args.pp_size or model_spec(args.model).pipeline_parallel_size
+    if getattr(args, "two_level_ring", False):
+        cm = cm.with_(two_level_ring=True)
+    host = getattr(args, "host_memory_gb", None)
+    if host is not None:
+        if not (host > 0 and host != float("inf")):
+            raise ValueError(f"--host-memory-gb ({host}) must be a positive number of GB")
+        cm = cm.with_(host_memory_bytes=host * 1e9)
+    return cm, pp
+
+
+def load_topology(args: argparse.Namespace, cost_model: Any) -> Any:
+    """The :class:`~megatron_bytescale.planner.topology.Topology` of ``--node-map`` or
+    ``--ranks-per-node``, else the cost model's ranks per node."""
+    from ..planner.topology import Topology
+
+    if args.node_map is not None:
+        if args.ranks_per_node is not None:
+            raise ValueError("give either --ranks-per-node or --node-map, not both")
+        path = Path(args.node_map)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read --node-map {str(path)!r}: {exc.strerror or exc}") from exc
+        try:
+            nodes = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"--node-map {str(path)!r} must be a JSON list or one integer per line: {exc}") from exc
+        if len(nodes) != args.hdp_size:
+            raise ValueError(f"--node-map {str(path)!r} names {len(nodes)} HDP ranks but --hdp-size is {args.hdp_size}")
+        return Topology.from_node_map(nodes)
+    if args.ranks_per_node is not None:
+        if args.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1")
+        return Topology(ranks_per_node=args.ranks_per_node)
+    return Topology.of(cost_model)

@@ -1,0 +1,106 @@
+"""`bytescale simulate` end to end: table, JSON, plots, progress, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bytescale.tools.simulate_cmd import main
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sweep_table_json_plots_end_to_end(tmp_path):
+    out_json, plots = tmp_path / "sim.json", tmp_path / "plots"
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.cli", "simulate", "--synthetic", "github",
+         "--global-tokens", "4000000", "--hdp-size", "64", "--contexts", "64K,128K,256K", "--steps", "2",
+         "--json", str(out_json), "--plot", str(plots)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("bytescale simulate: synthetic github (4,000,000 tokens per step, seed 0..1); "
+                               "64 GPUs = 64 HDP ranks x TP 1 x PP 1")
+    assert "ZeRO-1 over the HDP group" in lines[0]
+    header = lines[1].split()
+    assert header[:4] == ["context", "variant", "step", "(s)"] and "tokens/s/GPU" in header
+    rows = [l.split() for l in lines[3:3 + 18]]
+    assert [(r[0], r[1]) for r in rows[:6]] == [("64K", v) for v in
+                                                ("static", "pow2", "naive", "naive+offload", "balance",
+                                                 "balance+lookahead")]
+    assert rows[0][4] == "1.00"  # throughput over the first variant, itself
+    assert "throughput drop per context doubling: static" in res.stdout
+    assert "[bytescale simulate] [36/36] context 256K, step 1, balance+lookahead" in res.stderr
+    data = json.loads(out_json.read_text())
+    assert data["num_gpus"] == 64 and len(data["results"]) == 18
+    first = data["results"][0]
+    assert first["variant"] == "static" and first["context_length"] == 65536 and first["steps"] == 2
+    step = first["step_results"][0]
+    assert len(step["rank_busy_s"]) == 64 and step["tokens"] == 4_000_000
+    assert step["step_time_s"] == pytest.approx(
+        step["data_wait_s"] + step["micro_batch_phase_s"] + step["grad_reduce_s"] + step["optimizer_s"])
+    for name in ("throughput.png", "rank_times.png", "ablation.png"):
+        assert (plots / name).read_bytes()[:8] == PNG
+
+
+def test_cli_lengths_file_and_cost_model_file(tmp_path, capsys):
+    from megatron_bytescale.planner.presets import preset_cost_model
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [300, 5000, 40, 2048, 999, 7000, 12] * 5) + "\n")
+    cm = tmp_path / "cm.json"
+    preset_cost_model("llama-7b").with_(ranks_per_node=2).save(cm)
+    assert main([str(lengths), "--cost-model", str(cm), "--hdp-size", "8", "--capacity", "4096",
+                 "--variants", "static,balance", "--quiet", "--plan-time-s", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient reduction and optimizer not modelled (pass --model-params)" in out
+    assert "2 HDP ranks per node" in out
+    rows = {l.split()[1]: l.split() for l in out.splitlines()[3:5]}
+    assert set(rows) == {"static", "balance"}
+    assert rows["balance"][7] == "0.5"  # the fixed planning time is waited for
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--variants", "static,magic"], r"unknown scheduler variant 'magic'; choose from static, pow2, naive, "
+                                     r"naive\+offload, balance, balance\+lookahead"),
+    (["--inter-node-bandwidth", "-5"], r"--inter-node-bandwidth \(-5\) must be a finite number > 0 GB/s"),
+    (["--pcie-bandwidth", "0"], r"--pcie-bandwidth \(0\) must be a finite number > 0 GB/s"),
+    (["--p2p-latency-us", "-1"], r"--p2p-latency-us \(-1\) must be a finite number >= 0 us"),
+    (["--contexts", "256K,banana"], r"'banana' is not a token count"),
+    (["--steps", "0"], r"argument --steps: 0 must be >= 1"),
+    (["--load-s", "-2"], r"--load-s \(-2\) must be a finite number of seconds >= 0"),
+    (["--model-params", "0"], r"--model-params \(0\) must be >= 1"),
+    (["--context-length", "1000", "--contexts", "1K"], r"either --context-length or --contexts"),
+    (["--hdp-size", "0"], r"argument --hdp-size: 0 must be >= 1"),
+    (["--capacity", "16", "--context-length", "1000000", "--overlong", "error"], r"no variant could plan the batch: "),
+    (["--model", "gpt-9"], r"unknown model preset 'gpt-9'"),
+    (["--grad-reduce-bytes", "3"], r"argument --grad-reduce-bytes: invalid choice: 3"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, match, capsys):
+    assert main(["--global-tokens", "100000", "--hdp-size", "16", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bytescale simulate: error: ")
+    import re
+
+    assert re.search(match, err[0]), err[0]
+
+
+def test_cli_file_with_a_sweep_is_refused(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n200\n")
+    assert main([str(lengths), "--contexts", "1K,2K", "--quiet"]) == 2
+    assert "--contexts sweeps synthetic batches" in capsys.readouterr().err
+    assert main([str(lengths), "--steps", "2", "--quiet"]) == 2
+    assert "--steps > 1 needs --synthetic" in capsys.readouterr().err
+
+
+def test_bytescale_lists_simulate():
+    res = subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "simulate" in res.stdout
