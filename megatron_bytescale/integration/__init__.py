@@ -5,14 +5,16 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ====================================  =====================================================
 ``initialize_hdp_model_parallel``     Megatron with CP = 1, DP = d_hdp; installs the HDP group
 ``HDPGroupManager`` / ``get_hdp_manager``  HDP group + the micro-batch the attention runs now
-``HDPParallelLayout``                 refuses layouts HDP cannot serve (CP > 1, hybrid CP, PP > 1)
+``HDPParallelLayout``                 refuses layouts HDP cannot serve (CP > 1, hybrid CP, virtual PP)
+``HDPRankMap``                        this rank's HDP / TP / PP place, from Megatron's groups
 ``ByteScaleConfig`` / ``add_bytescale_args``  the ``--bytescale-*`` flags (extra_args_provider)
 ``get_bytescale_layer_spec`` / ``swap_core_attention``  GPT layer spec with the ring attention
 ``ByteScaleCoreAttention``            Megatron core-attention slot -> ``runtime.ring_attention``
 ``ByteScaleGPTModel``                 GPTModel with RoPE at each token's original position
 ``make_transformer_config`` / ``build_gpt_model`` / ``wrap_for_hdp``  model, DDP, optimizer
 ``make_step_planner``                 ByteScaleConfig + cost model -> ``lengths -> StepPlan``
-``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the PP = 1 schedule driver
+``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the schedule driver (PP = 1 and 1F1B)
+``run_pipeline_micro_batches``        one stage's 1F1B over its pipeline's planned micro-batches
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
 ``activation_offloader``              the model's selective activation offloader (one per model)
 ``HDPStepMetrics``                    a step's HDP metrics (``StepRecord.hdp``, Megatron's log)
@@ -28,6 +30,7 @@ _EXPORTS = {
     "initialize_hdp_model_parallel": "groups",
     "HDPGroupManager": "groups",
     "HDPParallelLayout": "groups",
+    "HDPRankMap": "groups",
     "get_hdp_manager": "groups",
     "set_hdp_manager": "groups",
     "ByteScaleConfig": "config",
@@ -43,6 +46,7 @@ _EXPORTS = {
     "run_micro_batches": "schedule",
     "make_step_planner": "planning",
     "run_hdp_step": "schedule",
+    "run_pipeline_micro_batches": "pipeline_schedule",
     "hdp_forward_step": "schedule",
     "token_level_loss": "schedule",
     "StepRecord": "schedule",

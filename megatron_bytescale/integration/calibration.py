@@ -111,6 +111,12 @@ def calibrate_cost_model(
         host_bytes: size of the host-link copies.
         device: where micro-batches are built (default: the model's parameters' device).
     """
+    if manager.pp_size > 1:
+        raise ValueError(
+            "calibrate_cost_model times whole-model micro-batches on one rank, which a pipeline "
+            "stage cannot run alone; calibrate in a PP = 1 run of the same model and pass the "
+            "saved model (--bytescale-cost-model), or use the analytic cost model"
+        )
     hdp = manager.hdp
     device = device if device is not None else _model_device(model)
     layers = int(model.config.num_layers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -21,15 +21,28 @@ def _backward_step_takes_model_type() -> bool:
     return "model_type" in inspect.signature(schedules.backward_step).parameters
 
 
-def megatron_backward_step(output_tensor: torch.Tensor, model: Any, config: Any) -> None:
-    """Backward of one last-stage micro-batch through ``schedules.backward_step``."""
+def megatron_backward_step(
+    output_tensor: torch.Tensor,
+    model: Any,
+    config: Any,
+    *,
+    input_tensor: Optional[torch.Tensor] = None,
+    output_tensor_grad: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """Backward of one micro-batch through ``schedules.backward_step``.
+
+    On the last stage (PP = 1 included) ``output_tensor`` is the loss and there is no
+    ``output_tensor_grad``; on other stages it is the stage's output and the gradient came
+    from the next stage. Returns the gradient of ``input_tensor`` (None on the first stage).
+    """
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.utils import get_model_type
 
     if _backward_step_takes_model_type():
-        schedules.backward_step(None, output_tensor, None, get_model_type(model), config)
-    else:
-        schedules.backward_step(None, output_tensor, None, config)
+        return schedules.backward_step(
+            input_tensor, output_tensor, output_tensor_grad, get_model_type(model), config
+        )
+    return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
 
 
 def megatron_forward_step(
@@ -42,8 +55,14 @@ def megatron_forward_step(
     config: Any,
     is_first_microbatch: bool,
     current_microbatch: int,
+    input_tensor: Optional[torch.Tensor] = None,
+    is_last_stage: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One last-stage forward through ``schedules.forward_step`` (PP = 1, CP size 1)."""
+    """One forward through ``schedules.forward_step`` (CP size 1: rings are the plugin's).
+
+    ``input_tensor`` is what the previous pipeline stage sent (None on the first stage); the
+    loss is computed on the last stage only.
+    """
     from megatron.core.pipeline_parallel import schedules
 
     return schedules.forward_step(
@@ -51,11 +70,11 @@ def megatron_forward_step(
         data_iterator,
         model,
         num_microbatches,
-        None,
+        input_tensor,
         forward_data_store,
         config,
         1,  # cp_group_size: Megatron's CP is 1 under HDP; rings are the plugin's
         is_first_microbatch=is_first_microbatch,
         current_microbatch=current_microbatch,
-        is_last_stage=True,
+        is_last_stage=is_last_stage,
     )

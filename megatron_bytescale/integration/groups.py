@@ -38,9 +38,6 @@ if TYPE_CHECKING:  # runtime types, imported lazily at run time
 
 logger = logging.getLogger(__name__)
 
-PP_SCHEDULE_ISSUE = (
-    "the HDP training step runs a single pipeline stage; run with --pipeline-model-parallel-size 1"
-)
 VIRTUAL_PIPELINE_REASON = (
     "Megatron's interleaved schedule runs micro-batches in groups of at least PP per model "
     "chunk (the count must be >= PP and fit microbatch_group_size_per_vp_stage), while every "
@@ -108,11 +105,6 @@ class HDPParallelLayout:
                 "--num-virtual-stages-per-pipeline-rank, here "
                 f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
                 f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
-            )
-        if self.pipeline_model_parallel_size > 1:
-            reasons.append(
-                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} cannot be "
-                f"combined with --bytescale-hdp: {PP_SCHEDULE_ISSUE}"
             )
         if self.expert_model_parallel_size != 1:
             reasons.append(

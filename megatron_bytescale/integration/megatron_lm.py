@@ -144,12 +144,15 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
         layout = HDPParallelLayout.from_megatron_args(args)
     except RefusedArguments as exc:
         reasons += exc.reasons
-    if layout is not None and layout.tensor_model_parallel_size != 1:
-        reasons.append(
-            f"--tensor-model-parallel-size {layout.tensor_model_parallel_size} cannot be combined "
-            "with --bytescale-hdp in pretrain_gpt.py (megatron-core loops can use it: see "
-            "docs/megatron_lm.md); run with --tensor-model-parallel-size 1"
-        )
+    for flag, attribute in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                            ("--pipeline-model-parallel-size", "pipeline_model_parallel_size")):
+        size = int(getattr(args, attribute, 1) or 1)
+        if size != 1:
+            reasons.append(
+                f"{flag} {size} cannot be combined with --bytescale-hdp in pretrain_gpt.py of "
+                f"this version (megatron-core loops can use it: see docs/demo.md); run with "
+                f"{flag} 1"
+            )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
             reasons.append(f"{flag} cannot be combined with --bytescale-hdp: {why}")

@@ -1,4 +1,4 @@
-"""The HDP training step as Megatron-LM's ``train_step`` and ``evaluate`` call it (PP = 1).
+"""The HDP training step as Megatron-LM's ``train_step`` and ``evaluate`` call it.
 
 :func:`hdp_forward_backward` has the signature of megatron-core's ``forward_backward_func``.
 Megatron's ``train_step`` zeroes the gradient buffers, calls it once per step, steps the
@@ -78,7 +78,7 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
                          num_microbatches: int, forward_only: bool = False,
                          collect_non_loss_data: bool = False, force_all_reduce: bool = False,
                          **_megatron_kwargs: Any) -> list[dict[str, torch.Tensor]]:
-    """Megatron's ``forward_backward_func`` for HDP (PP = 1).
+    """Megatron's ``forward_backward_func`` for HDP (with PP > 1: this stage's part, 1F1B).
 
     Takes the step's :class:`HDPStep` from ``data_iterator`` (one ``next()`` per step) and
     runs this rank's planned micro-batches, ignoring ``num_microbatches`` (Megatron's fixed
@@ -157,7 +157,8 @@ def _offloader(model: Any) -> Any:
 def _only(value: Any, what: str) -> Any:
     if isinstance(value, (list, tuple)):
         if len(value) != 1:
-            raise ValueError(f"HDP runs one {what} (PP = 1, no virtual stages), got {len(value)}")
+            raise ValueError(f"HDP runs one {what} per rank (no virtual pipeline stages), got "
+                             f"{len(value)}")
         return value[0]
     return value
 

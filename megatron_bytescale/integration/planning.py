@@ -20,6 +20,7 @@ def make_step_planner(
     scheduler: Optional[str] = None,
     global_ranks: Optional[Sequence[int]] = None,
     topology: Optional[Topology] = None,
+    pp_size: int = 1,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
@@ -28,6 +29,10 @@ def make_step_planner(
     default ``0 .. hdp_size - 1``) places HDP ranks on nodes (:func:`hdp_topology`), unless
     ``topology`` gives the nodes. ``--bytescale-two-level-ring`` plans with two-level rings
     (the runtime must then run them: ``HDPGroupManager.two_level_topology``).
+    ``pp_size`` must be the run's pipeline depth (``HDPGroupManager.pp_size``): with PP > 1
+    the balance scheduler plans PP-Balance (ring micro-batches at the same local index in every
+    member pipeline, which the 1F1B driver needs), and the drivers refuse a plan made for
+    another depth. It must divide the cost model's layers.
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -43,6 +48,7 @@ def make_step_planner(
                 "--bytescale-offload"
             )
 
+    cost_model.layers_per_stage(pp_size)  # refuses a depth that does not divide the layers
     if topology is None:
         topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
     if config.two_level_ring:
@@ -57,7 +63,7 @@ def make_step_planner(
             hdp_size=hdp_size,
             capacity=capacity,
             cost_model=cost_model,
-            pp_size=1,
+            pp_size=pp_size,
             offload=config.offload,
             overlong=config.overlong,
             align=config.align,

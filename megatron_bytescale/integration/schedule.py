@@ -1,4 +1,4 @@
-"""The HDP schedule driver for pipeline-parallel size 1.
+"""The HDP schedule driver (pipeline-parallel size 1; PP > 1 in :mod:`.pipeline_schedule`).
 
 Megatron's ``forward_backward_no_pipelining`` assumes every data-parallel rank runs at least
 one micro-batch (it always runs "the last one" outside ``no_sync``). Under the balance
@@ -30,7 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
 import torch
 
@@ -198,7 +198,7 @@ def run_hdp_step(
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    check_model_config(config)
+    check_model_config(config, manager)
     _refuse_overlapped_reduction(model)
     if counters is None:
         from megatron_bytescale.runtime import CommCounters
@@ -272,17 +272,28 @@ def run_micro_batches(
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
     """This rank's micro-batches of ``step`` in plan order, through megatron-core's step functions.
 
-    Forward (and, unless ``forward_only``, backward) of every micro-batch with the micro-batch
-    bound to ``manager`` so the core attention finds its ring. Gradient sync is deferred with
-    ``config.no_sync_func`` (when set; without overlapped reduction there is nothing to defer)
-    to the last micro-batch; the reduction itself is the caller's (``finalize_model_grads``).
+    Forward (and, unless ``forward_only``, backward) of every micro-batch inside
+    :func:`micro_batch_scope` (the micro-batch bound to ``manager`` so the core attention finds
+    its ring). Gradient sync is deferred with ``config.no_sync_func`` (when set; without
+    overlapped reduction there is nothing to defer) to the last micro-batch; the reduction
+    itself is the caller's (``finalize_model_grads``). With pipeline parallelism this stage's
+    part runs in 1F1B order instead (:mod:`.pipeline_schedule`).
 
     With an ``offloader``, each micro-batch's forward runs in its offload context with the
     plan's ratio (:func:`~megatron_bytescale.runtime.offload_micro_batch`).
 
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
-    Megatron's ``forward_data_store`` (the loss reports).
+    Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
     """
+    if manager.pp_size > 1:
+        from .pipeline_schedule import run_pipeline_micro_batches
+
+        return run_pipeline_micro_batches(
+            step, model=model, config=config, manager=manager,
+            forward_step_func=forward_step_func, counters=counters, forward_only=forward_only,
+            offloader=offloader,
+        )  # fmt: skip
+    check_plan_pipeline(step, 1)
     count = step.num_micro_batches
     no_sync = config.no_sync_func or contextlib.nullcontext
     records: list[MicroBatchRecord] = []
@@ -292,8 +303,8 @@ def run_micro_batches(
         deferred = not forward_only and index < count - 1
         traffic = counters.start_micro_batch(planned.order) if counters is not None else None
         busy0, wall0 = time.process_time(), time.perf_counter()
-        with (no_sync() if deferred else contextlib.nullcontext()), manager.bind(tensors, counters):
-            with offload_micro_batch(offloader, tensors):
+        with no_sync() if deferred else contextlib.nullcontext():
+            with micro_batch_scope(manager, tensors, counters, phase="forward", offloader=offloader):
                 output, num_tokens = megatron_forward_step(
                     forward_step_func,
                     iter([tensors]),
@@ -305,7 +316,8 @@ def run_micro_batches(
                     current_microbatch=index,
                 )
             if not forward_only:
-                megatron_backward_step(output, model, config)
+                with micro_batch_scope(manager, tensors, counters, phase="backward"):
+                    megatron_backward_step(output, model, config)
         local_tokens += num_tokens.to(local_tokens.device)
         records.append(
             MicroBatchRecord(
@@ -320,6 +332,46 @@ def run_micro_batches(
             )
         )
     return records, local_tokens, forward_data_store
+
+
+@contextlib.contextmanager
+def micro_batch_scope(
+    manager: HDPGroupManager,
+    micro_batch: "MicroBatchTensors",
+    counters: Optional["CommCounters"],
+    *,
+    phase: Literal["forward", "backward"],
+    offloader: Optional["ActivationOffloader"] = None,
+) -> Iterator["MicroBatchTensors"]:
+    """What wraps the forward, and separately the backward, of one micro-batch in every driver.
+
+    Both drivers (PP = 1 here, 1F1B in :mod:`.pipeline_schedule`, where other micro-batches run
+    between a micro-batch's forward and its backward) enter it, so per-micro-batch hooks
+    belong here. It binds the micro-batch to the HDP group manager: the core attention reads
+    its ring and layout, in the backward too (activation recomputation reruns the forward).
+    With an ``offloader`` the forward runs in the micro-batch's offload context (its plan ratio;
+    the backward reloads through the hooks packed in forward, wherever it runs).
+    """
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase ({phase!r}) must be 'forward' or 'backward'")
+    offload = offload_micro_batch(offloader, micro_batch) if phase == "forward" else contextlib.nullcontext()
+    with manager.bind(micro_batch, counters), offload:
+        yield micro_batch
+
+
+def check_plan_pipeline(step: "HDPStep", pp_size: int) -> None:
+    """Refuse a plan made for another pipeline depth than the run's.
+
+    PP-Balance keeps a ring micro-batch at the same local index in every member pipeline,
+    which keeps 1F1B deadlock-free; a plan made for PP = 1 does not (and its estimate has no
+    bubbles). A PP plan at PP = 1 would train, but its estimate would describe another run.
+    """
+    if step.plan.pp_size != pp_size:
+        raise ValueError(
+            f"step {step.index}: the plan was made for {step.plan.pp_size} pipeline stage(s), "
+            f"this run has --pipeline-model-parallel-size {pp_size}; build the planner with "
+            f"pp_size={pp_size} (make_step_planner(..., pp_size=...))"
+        )
 
 
 def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
@@ -352,8 +404,12 @@ def _warn_about_offload(step: "HDPStep") -> None:
         )
 
 
-def check_model_config(config: Any) -> None:
-    """Refuse model configs with which the HDP step would compute the wrong gradients."""
+def check_model_config(config: Any, manager: Optional[HDPGroupManager] = None) -> None:
+    """Refuse model configs with which the HDP step would compute the wrong gradients.
+
+    With ``manager``, the model's pipeline depth must also be the one Megatron runs (a model
+    built for other stages would hold the wrong layers and send or wait for the wrong peers).
+    """
     if not config.calculate_per_token_loss:
         raise ValueError(
             "HDP needs calculate_per_token_loss=True (--calculate-per-token-loss): ranks train "
@@ -366,9 +422,13 @@ def check_model_config(config: Any) -> None:
             "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
             "HDP group"
         )
-    if getattr(config, "pipeline_model_parallel_size", 1) != 1:
-        raise ValueError("pipeline_model_parallel_size > 1 cannot be combined with HDP in this "
-                         "version; use pipeline_model_parallel_size=1")
+    model_pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if manager is not None and model_pp != manager.pp_size:
+        raise ValueError(
+            f"the model is built for pipeline_model_parallel_size {model_pp}, but Megatron runs "
+            f"{manager.pp_size} pipeline stage(s); build the config after "
+            "initialize_hdp_model_parallel (make_transformer_config reads the layout)"
+        )
 
 
 def _grad_device(model: torch.nn.Module) -> torch.device:

@@ -16,7 +16,8 @@ layers, megatron-core's included, without touching the model code::
 the first ``l - keep_resident_layers`` layers (``l`` = the layers given, in forward order; by
 default the last two stay resident because their backward comes first and nothing could hide
 their reload) is offloaded in part when it is floating point, lives on the compute device,
-holds at least ``min_tensor_bytes`` and is not a parameter (nor a view of one):
+holds at least ``min_tensor_bytes`` and is not a parameter (nor a view of one) or another leaf
+that requires grad (a pipeline stage's input: the schedule holds it until its backward anyway):
 
 * token-granular when it has a token dimension (the first dimension of size ``num_tokens``,
   dimension 0 in megatron-core's ``[s, b, h]`` layout and for ring attention's q/k/v/out/lse):
@@ -325,6 +326,8 @@ class MicroBatchOffload:
             return None
         if not tensor.is_floating_point() or tensor.device != owner.device or tensor.dim() == 0:
             return None
+        if tensor.is_leaf and tensor.requires_grad:  # a parameter, a pipeline stage's input:
+            return None  # its owner holds it anyway, so a copy would free nothing
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0 or nbytes < owner.min_tensor_bytes:
             return None

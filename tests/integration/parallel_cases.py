@@ -40,10 +40,11 @@ def two_rank_config(**changes: Any):
     return bytescale_config(capacity=CAPACITY, context_length=2 * CAPACITY, **changes)
 
 
-def reference_phase(sequences, *, share_embeddings: bool = False) -> dict[str, Any]:
+def reference_phase(*batches, share_embeddings: bool = False) -> list[dict[str, Any]]:
     """Megatron at TP = PP = 1: initial weights (same on every rank) and rank 0's reference.
 
-    Returns ``{"state", "loss", "grads"}`` on every rank (broadcast from rank 0).
+    Returns one ``{"state", "loss", "grads"}`` per batch of sequences on every rank
+    (broadcast from rank 0), all from the same initial weights.
     """
     from megatron.core import parallel_state
 
@@ -58,8 +59,10 @@ def reference_phase(sequences, *, share_embeddings: bool = False) -> dict[str, A
     ).state_dict()
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        loss, grads = reference_loss_and_grads(config, state, sequences, **model_kwargs)
-        payload[0] = {"state": state, "loss": loss, "grads": grads}
+        payload[0] = []
+        for sequences in batches:
+            loss, grads = reference_loss_and_grads(config, state, sequences, **model_kwargs)
+            payload[0].append({"state": state, "loss": loss, "grads": grads})
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
@@ -131,23 +134,45 @@ def gradient_errors(model, grads: dict[str, torch.Tensor], reference) -> dict[st
     return out
 
 
-def hdp_step(config, reference, sequences, *, scheduler: str, manager, pp_size: int = 1):
-    """One HDP step of a fresh model with the reference weights; its record and errors."""
-    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
-    from megatron_bytescale.integration.planning import make_step_planner
-    from megatron_bytescale.integration.schedule import run_hdp_step
+def fresh_model(config, reference, *, share_embeddings: bool = False):
+    """This rank's shard / stage of a model with the reference weights, in DDP + optimizer."""
     from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
 
     model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT,
-                            share_embeddings_and_output_weights=pp_size > 1)
+                            share_embeddings_and_output_weights=share_embeddings)
     load_reference_weights(model, reference["state"])
-    ddp, optimizer = wrap_for_hdp(model, lr=1e-3)
-    planner = make_step_planner(two_rank_config(scheduler=scheduler), hdp_size=manager.size,
-                                cost_model=cost_model())
+    return wrap_for_hdp(model, lr=1e-3)
+
+
+def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None):
+    """One HDP step of a fresh model with the reference weights; its record and errors.
+
+    ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth.
+    """
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.schedule import run_hdp_step
+
+    ddp, optimizer = fresh_model(config, reference, share_embeddings=manager.pp_size > 1)
+    if planner is None:
+        planner = make_step_planner(two_rank_config(scheduler=scheduler), hdp_size=manager.size,
+                                    cost_model=cost_model(), pp_size=manager.pp_size)
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
     grads = grab_grads_before_step(ddp, optimizer)
     record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
     return step, record, gradient_errors(ddp.module, grads, reference)
+
+
+def layout_config(**overrides: Any):
+    """``hdp_cases``' tiny GPT config for the TP / PP layout Megatron now runs."""
+    from megatron_bytescale.integration.training import make_transformer_config
+
+    base = transformer_config()
+    return make_transformer_config(
+        num_layers=base.num_layers, hidden_size=base.hidden_size,
+        num_attention_heads=base.num_attention_heads, num_query_groups=base.num_query_groups,
+        ffn_hidden_size=base.ffn_hidden_size, **overrides,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP 2 x HDP 2
@@ -157,13 +182,12 @@ def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     """TP 2 x HDP 2: gradients equal the TP-1 reference with and without sequence parallelism."""
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator, PlanMismatchError
     from megatron_bytescale.integration.planning import make_step_planner
-    from megatron_bytescale.integration.training import make_transformer_config
     from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     rng = np.random.default_rng(11)
     sequences = [rng.integers(0, VOCAB, n).tolist() for n in TP_LENGTHS]
-    reference = reference_phase(sequences)
+    (reference,) = reference_phase(sequences)
     out: dict[str, Any] = {"rank": rank, "reference_loss": reference["loss"]}
 
     manager = switch_layout(tensor_model_parallel_size=2)
@@ -176,13 +200,7 @@ def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         ("tp+sp", True, "balance"),
         ("tp+sp static", True, "static"),
     ):
-        base = transformer_config()
-        config = make_transformer_config(
-            num_layers=base.num_layers, hidden_size=base.hidden_size,
-            num_attention_heads=base.num_attention_heads,
-            num_query_groups=base.num_query_groups, ffn_hidden_size=base.ffn_hidden_size,
-            sequence_parallel=sequence_parallel,
-        )  # fmt: skip
+        config = layout_config(sequence_parallel=sequence_parallel)
         step, record, errors = hdp_step(config, reference, sequences, scheduler=scheduler,
                                         manager=manager)
         out["runs"][name] = {
@@ -208,4 +226,148 @@ def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = None
     except PlanMismatchError as exc:
         out["mismatch"] = str(exc)
+    return out
+
+
+# ----------------------------------------------------------------------------- PP 2 x HDP 2
+
+STRESS_PLANS = 30
+
+
+def pipeline_plan(lengths: list[int], rows: list[list[tuple[str, int]]]):
+    """A PP-2 plan over 2 HDP ranks from per-pipeline rows of ``("ring" | "local", seq)``.
+
+    Row j of both pipelines is added before row j + 1, so orders increase along every list
+    and a ring (named in both rows at the same index) gets one order (D5).
+    """
+    from megatron_bytescale.planner.plan import PlanBuilder
+
+    builder = PlanBuilder(hdp_size=2, capacity=CAPACITY, lengths=dict(enumerate(lengths)))
+    for j in range(max(len(r) for r in rows)):
+        for rank, row in enumerate(rows):
+            if j < len(row):
+                kind, seq = row[j]
+                if kind == "local":
+                    builder.add([rank], [seq])
+                elif rank == 0:
+                    builder.add([0, 1], [seq])
+    return builder.build(scheduler="manual", pp_size=2, layers_per_stage=1).validate()
+
+
+def random_pipeline_plan(rng: np.random.Generator):
+    """Random counts (zero included) per pipeline, rings at the same index in both."""
+    counts = [int(c) for c in rng.integers(0, 5, size=2)]
+    rows: list[list[tuple[str, int]]] = [[], []]
+    lengths: list[int] = []
+    for j in range(max(counts)):
+        if j < min(counts) and rng.random() < 0.4:
+            lengths.append(int(rng.integers(CAPACITY + 1, 2 * CAPACITY + 1)))
+            for row in rows:
+                row.append(("ring", len(lengths) - 1))
+            continue
+        for rank in range(2):
+            if j < counts[rank]:
+                lengths.append(int(rng.integers(2, CAPACITY + 1)))
+                rows[rank].append(("local", len(lengths) - 1))
+    if not lengths:
+        lengths.append(int(rng.integers(2, CAPACITY + 1)))
+        rows[0].append(("local", 0))
+    return lengths, pipeline_plan(lengths, rows)
+
+
+def stress_batches(seed: int):
+    """``STRESS_PLANS`` (tokens, planner) pairs: PP-Balance plans of random long-tailed batches
+    and, every third, a random aligned plan with random counts per pipeline (zero included)."""
+    from megatron_bytescale.integration.planning import make_step_planner
+
+    rng = np.random.default_rng(seed)
+    balance = make_step_planner(two_rank_config(), hdp_size=2, cost_model=cost_model(), pp_size=2)
+    for index in range(STRESS_PLANS):
+        if index % 3 == 2:
+            lengths, plan = random_pipeline_plan(rng)
+            planner = lambda _lengths, plan=plan: plan  # noqa: E731 - one fixed plan
+        else:
+            count = int(rng.integers(3, 10))
+            lengths = [int(x) for x in np.clip(rng.lognormal(3.5, 0.9, count), 2, 2 * CAPACITY)]
+            planner = balance
+        yield [rng.integers(0, VOCAB, n).tolist() for n in lengths], planner
+
+
+def pp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
+    """PP 2 x HDP 2: gradients equal TP-1 / PP-1 (tied embeddings), a pipeline without
+    micro-batches, the plan's pp_size checked, and random plans that must not deadlock."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.integration.schedule import run_hdp_step
+    from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    rng = np.random.default_rng(12)
+    sequences = [rng.integers(0, VOCAB, n).tolist() for n in TP_LENGTHS]
+    idle_lengths = [40, 30, 61, 25, 77]
+    idle_sequences = [rng.integers(0, VOCAB, n).tolist() for n in idle_lengths]
+    reference, idle_reference = reference_phase(sequences, idle_sequences, share_embeddings=True)
+    out: dict[str, Any] = {"rank": rank, "reference_loss": reference["loss"],
+                           "idle_reference_loss": idle_reference["loss"]}
+
+    manager = switch_layout(pipeline_model_parallel_size=2)
+    rank_map = manager.rank_map
+    out["map"] = dict(hdp=rank_map.hdp_rank, tp=rank_map.tp_rank, pp=rank_map.pp_rank,
+                      hdp_ranks=rank_map.hdp_global_ranks, pp_ranks=rank_map.pp_global_ranks)
+    config = layout_config()
+    out["runs"] = {}
+
+    def run(name: str, batch, ref, **kwargs) -> None:
+        step, record, errors = hdp_step(config, ref, batch, manager=manager, **kwargs)
+        out["runs"][name] = {
+            "ring_sizes": sorted(set(step.plan.ring_sizes())),
+            "micro_batch_counts": step.plan.micro_batch_counts(),
+            "pp_size": step.plan.pp_size,
+            "loss_sum": record.loss_sum,
+            "global_loss_tokens": record.global_loss_tokens,
+            "grad_errors": errors,
+        }
+
+    # 1. PP-Balance: rings across both pipelines, different counts, lengths vary
+    run("balance", sequences, reference, scheduler="balance")
+    # 2. pipeline 1 runs no micro-batch at all
+    rows = [[("local", i) for i in range(len(idle_lengths))], []]
+    idle_plan = pipeline_plan(idle_lengths, rows)
+    run("idle pipeline", idle_sequences, idle_reference, scheduler="manual",
+        planner=lambda _: idle_plan)
+    # 3. a plan made for PP = 1 is refused before anything runs
+    flat = make_step_planner(two_rank_config(), hdp_size=2, cost_model=cost_model(), pp_size=1)
+    ddp, optimizer = fresh_model(config, reference, share_embeddings=True)
+    try:
+        step = next(HDPDataIterator([sequences], planner=flat, hdp=manager.hdp))
+        run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+        out["pp_mismatch"] = None
+    except ValueError as exc:
+        out["pp_mismatch"] = str(exc)
+
+    # 4. stress: random plans, one model training on through all of them
+    stress = []
+    for tokens, planner in stress_batches(seed=5):
+        step = next(HDPDataIterator([tokens], planner=planner, hdp=manager.hdp))
+        record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+        stress.append({
+            "counts": step.plan.micro_batch_counts(),
+            "rings": sum(1 for r in step.plan.ring_sizes() if r > 1),
+            "loss_sum": record.loss_sum,
+            "global_loss_tokens": record.global_loss_tokens,
+            "scheduler": step.plan.scheduler,
+        })  # fmt: skip
+    out["stress"] = stress
+
+    # 5. TP 2 x PP 2 (HDP 1) with sequence parallelism: stage-to-stage shapes are [s / TP, 1, h]
+    manager = switch_layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    one_rank = make_step_planner(
+        bytescale_config(capacity=2 * CAPACITY, context_length=2 * CAPACITY), hdp_size=1,
+        cost_model=cost_model(), pp_size=2,
+    )  # fmt: skip
+    step, record, errors = hdp_step(layout_config(sequence_parallel=True), reference, sequences,
+                                    scheduler="balance", manager=manager, planner=one_rank)
+    out["tp_pp"] = {"loss_sum": record.loss_sum, "global_loss_tokens": record.global_loss_tokens,
+                    "micro_batch_counts": step.plan.micro_batch_counts(), "grad_errors": errors,
+                    "stage": manager.rank_map.pp_rank}
     return out

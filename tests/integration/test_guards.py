@@ -86,4 +86,5 @@ def test_run_hdp_step_refuses_model_configs_that_would_give_wrong_gradients(conf
 
     with pytest.raises(ValueError, match=message):
         # refused before the step, the optimizer or the manager are touched
-        run_hdp_step(None, model=_stub_model(**config), optimizer=None, manager=None)
+        run_hdp_step(None, model=_stub_model(**config), optimizer=None,
+                     manager=SimpleNamespace(pp_size=1))

@@ -23,11 +23,11 @@ def test_megatron_sees_cp1_and_the_hdp_group_is_dp(results):
     assert all(r["hdp_size"] == 4 and r["megatron_cp"] == 1 for r in results)
 
 
-def test_entry_point_refuses_cp_hybrid_and_pp(results):
+def test_entry_point_refuses_cp_hybrid_and_virtual_pp(results):
     refusals = results[0]["refusals"]
     assert "--context-parallel-size 2" in refusals["cp"]
     assert "--hybrid-context-parallel" in refusals["hybrid"]
-    assert "--pipeline-model-parallel-size 2" in refusals["pp"]
+    assert "interleaved pipeline stages" in refusals["vpp"]
 
 
 @pytest.mark.parametrize("scheduler", ["balance", "naive", "static", "balance-two-level"])

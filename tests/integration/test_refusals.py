@@ -16,7 +16,6 @@ from megatron_bytescale.testing import cpu_compat
     [
         (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
-        (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
         (dict(virtual_pipeline_model_parallel_size=2), "interleaved pipeline stages"),
         (dict(expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
         (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
@@ -35,15 +34,17 @@ def test_layout_refuses_unsupported_parallelism(kwargs, message):
 def test_layout_reports_every_refusal_at_once():
     with pytest.raises(ValueError) as info:
         HDPParallelLayout(world_size=8, context_parallel_size=2, expert_model_parallel_size=2,
-                          pipeline_model_parallel_size=2)
+                          pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert len(info.value.reasons) == 3
     assert "cannot run with these 3 arguments" in str(info.value)
 
 
-def test_layout_serves_tensor_parallelism():
+def test_layout_serves_tensor_and_pipeline_parallelism():
     layout = HDPParallelLayout(world_size=8, tensor_model_parallel_size=2, num_attention_heads=8,
                                num_query_groups=2)
     assert layout.hdp_size == 4
+    assert HDPParallelLayout(world_size=8, tensor_model_parallel_size=2,
+                             pipeline_model_parallel_size=2).hdp_size == 2
 
 
 def test_layout_from_megatron_args():
