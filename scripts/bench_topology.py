@@ -134,8 +134,11 @@ costed on the real nodes. "Rings on extra nodes": rings spanning more nodes than
 
 Worst step-time ratio (topology / load only): {worst_step:.3f} (goal: within 2 %). The
 inter-node bytes that remain belong to rings longer than a node: a ring of D ranks on k nodes,
-ordered node by node, sends k / D of its bytes over the network, the least any flat ring can.
-Shrinking that is the two-level ring's job ([docs/two_level_ring.md](two_level_ring.md)).
+ordered node by node, sends k / D of its bytes over the network, the least any flat ring can
+(the two-level ring spreads them over every NIC of a node instead of cutting them:
+[docs/two_level_ring.md](two_level_ring.md)). Under PP-Balance a ring must use ranks of one
+count group (1F1B alignment), which leaves fewer rings inside a node. More in
+[docs/topology.md](topology.md).
 
 ### Planning time at 16,384 HDP ranks (make_plan with the estimate, median of {args.repeats})
 

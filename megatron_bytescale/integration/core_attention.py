@@ -18,6 +18,7 @@ GQA, across the ring, differentiable.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -28,6 +29,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .groups import get_hdp_manager
+
+logger = logging.getLogger(__name__)
 
 
 class ByteScaleCoreAttention(MegatronModule):
@@ -81,6 +84,7 @@ class ByteScaleCoreAttention(MegatronModule):
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         )
+        _warn_about_core_attention_recompute(config)
 
     def forward(
         self,
@@ -150,6 +154,34 @@ class ByteScaleCoreAttention(MegatronModule):
         )
         out = out_TNH.reshape(rows, 1, -1)
         return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail)) if tail else out
+
+
+_RECOMPUTE_WARNED = False
+
+
+def _warn_about_core_attention_recompute(config: TransformerConfig) -> None:
+    """Selective recompute of ``core_attn`` is correct here but costs a ring for nothing: say so.
+
+    Megatron checkpoints the core attention (its default ``--recompute-modules`` under
+    ``--recompute-granularity selective``) to drop an unfused attention's s x s scores. The ring
+    attention keeps only q, k, v (which the checkpoint keeps anyway), the output and the
+    log-sum-exp, O(s) like flash attention, so recomputing it saves only the output and reruns
+    the whole ring forward, all its P2P included, in the backward. It stays correct (the
+    micro-batch stays bound through the backward, and every ring member recomputes the same
+    layer at the same point), so it is allowed, once with a warning.
+    """
+    global _RECOMPUTE_WARNED
+    if _RECOMPUTE_WARNED or getattr(config, "recompute_granularity", None) != "selective":
+        return
+    if "core_attn" not in (getattr(config, "recompute_modules", None) or ()):
+        return
+    _RECOMPUTE_WARNED = True
+    logger.warning(
+        "selective recompute of core_attn reruns the ring attention's forward (all its P2P) in "
+        "the backward to save only its output: the ring keeps O(s) state like flash attention. "
+        "Drop core_attn from --recompute-modules (e.g. --recompute-modules layernorm mlp) or "
+        "use --recompute-granularity full to trade compute for memory"
+    )
 
 
 def _refuse_unsupported(

@@ -389,6 +389,11 @@ class HDPGroupManager:
         return self._current
 
     @property
+    def bound(self) -> "MicroBatchTensors | None":
+        """The bound micro-batch, or None outside :meth:`bind` (never raises)."""
+        return self._current
+
+    @property
     def counters(self) -> "CommCounters | None":
         return self._counters
 
@@ -400,6 +405,11 @@ def set_hdp_manager(manager: Optional[HDPGroupManager]) -> None:
     """Install (or with None, remove) the process-wide manager the attention layers use."""
     global _MANAGER
     _MANAGER = manager
+
+
+def installed_hdp_manager() -> Optional[HDPGroupManager]:
+    """The installed manager, or None (for code that also runs outside HDP)."""
+    return _MANAGER
 
 
 def get_hdp_manager() -> HDPGroupManager:

@@ -59,8 +59,6 @@ ArgsProvider = Callable[[Any], Any]
 
 # (attribute on Megatron's args, its flag, why HDP refuses it while it is set)
 _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("overlap_grad_reduce", "--overlap-grad-reduce", "a rank that runs no micro-batch queues "
-     "no gradient bucket in backward, which the overlapped reduction waits for"),
     ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
      "token count (per-token loss), never by the number of ranks"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),

@@ -21,7 +21,7 @@ import torch
 
 from .config import ByteScaleConfig
 from .groups import HDPGroupManager
-from .schedule import run_micro_batches
+from .schedule import check_trained_loss_tokens, run_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +120,14 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
                                                forward_step_func=forward_step_func,
                                                forward_only=forward_only,
                                                counters=CommCounters(), offloader=offloader)
+    check_trained_loss_tokens(step, records, manager)  # on the host: no device read-back (D12)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens if config.calculate_per_token_loss else None,
             force_all_reduce=force_all_reduce,
         )  # fmt: skip
-        if config.calculate_per_token_loss and int(tokens) != step.global_loss_tokens:
-            raise RuntimeError(
-                f"the HDP ranks trained {int(tokens)} loss tokens, the global batch has "
-                f"{step.global_loss_tokens}: the plan lost or duplicated tokens"
-            )
-    if offloader is not None:
-        stats = offloader.end_step()
-        logger.debug("activation offload: %s", stats.as_dict())
+    if offloader is not None:  # the step's offload totals (also starts the next step's)
+        logger.debug("activation offload: %s", offloader.end_step().as_dict())
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if not store:

@@ -47,8 +47,8 @@ class ByteScaleGPTModel(GPTModel):
         """RoPE frequencies ``[s, b, 1, dim]`` for ``position_ids`` of shape ``[b, s]``."""
         table = self._rotary_table(position_ids.device)  # [max_len, dim]
         max_position = self.max_sequence_length
-        if position_ids.numel() and not torch.compiler.is_compiling():
-            highest = int(position_ids.max())
+        highest = _highest_position(position_ids)
+        if highest is not None:
             if highest >= max_position:
                 raise ValueError(
                     f"position {highest} is beyond the model's max_sequence_length "
@@ -64,3 +64,21 @@ class ByteScaleGPTModel(GPTModel):
             cached = emb[:, 0, 0, :].to(device)
             self._bytescale_rope_table = cached
         return cached
+
+
+def _highest_position(position_ids: torch.Tensor) -> Optional[int]:
+    """The largest position, known on the host without reading a device tensor back (D12).
+
+    The bound HDP micro-batch knows it from its layout (the same path on every device);
+    without one, a CPU tensor is read (free) and a device tensor is not checked (an
+    out-of-range index still fails in the gather).
+    """
+    if not position_ids.numel() or torch.compiler.is_compiling():
+        return None
+    from .groups import installed_hdp_manager
+
+    manager = installed_hdp_manager()
+    bound = manager.bound if manager is not None else None
+    if bound is not None:
+        return bound.layout.max_position
+    return int(position_ids.max()) if position_ids.device.type == "cpu" else None

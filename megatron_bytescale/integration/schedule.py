@@ -37,6 +37,7 @@ import torch
 from megatron_bytescale.runtime.offload import offload_micro_batch
 
 from .compat import megatron_backward_step, megatron_forward_step
+from .grad_sync import gather_params_without_forward, install_ordered_grad_sync
 from .groups import HDPGroupManager
 from .step_metrics import HDPStepMetrics, gather_step_metrics
 
@@ -199,7 +200,6 @@ def run_hdp_step(
 
     config = get_model_config(model)
     check_model_config(config, manager)
-    _refuse_overlapped_reduction(model)
     if counters is None:
         from megatron_bytescale.runtime import CommCounters
 
@@ -217,28 +217,36 @@ def run_hdp_step(
     busy_s = sum(r.busy_s for r in records)
     micro_batches_done_at = time.time()
     counters.end_step()
+    check_trained_loss_tokens(step, records, manager)
 
     total_tokens = local_tokens
     reduce0 = time.perf_counter()
     config.finalize_model_grads_func([model], total_tokens)
-    reduce_wall_s = time.perf_counter() - reduce0
+    reduce_wall_s = time.perf_counter() - reduce0  # on CUDA: until the reduction is queued
     reduced_at = time.time()
-    if int(total_tokens) != step.global_loss_tokens:
-        raise RuntimeError(
-            f"step {step.index}: the HDP ranks trained {int(total_tokens)} loss tokens, the "
-            f"global batch has {step.global_loss_tokens}; the plan or the micro-batch builder "
-            "lost or duplicated tokens"
-        )
 
     opt0 = time.perf_counter()
     update_successful, _grad_norm, _zeros = optimizer.step()
     optimizer_wall_s = time.perf_counter() - opt0
 
+    # read device values back only now, once, after the optimizer step (D12)
+    trained_tokens = int(total_tokens)
+    if trained_tokens != step.global_loss_tokens:
+        raise RuntimeError(
+            f"step {step.index}: the HDP ranks trained {trained_tokens} loss tokens, the "
+            f"global batch has {step.global_loss_tokens}; the plan or the micro-batch builder "
+            "lost or duplicated tokens"
+        )
+
     hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
         step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
         group=manager.hdp.group))  # fmt: skip
-    loss_sum = sum(float(d["lm loss"][0]) for d in forward_data_store)
-    offload_stats = offloader.end_step() if offloader is not None else None  # after the step: may sync
+    loss_sum = (
+        float(torch.stack([d["lm loss"][0] for d in forward_data_store]).sum())
+        if forward_data_store
+        else 0.0
+    )
+    offload_stats = offloader.end_step() if offloader is not None else None  # no device read-back
     return StepRecord(
         step=step.index,
         hdp_rank=step.hdp_rank,
@@ -277,7 +285,10 @@ def run_micro_batches(
     its ring). Gradient sync is deferred with ``config.no_sync_func`` (when set; without
     overlapped reduction there is nothing to defer) to the last micro-batch; the reduction
     itself is the caller's (``finalize_model_grads``). With pipeline parallelism this stage's
-    part runs in 1F1B order instead (:mod:`.pipeline_schedule`).
+    part runs in 1F1B order instead (:mod:`.pipeline_schedule`). With overlapped reduction the
+    bucket groups are issued in one fixed order on every rank, and a rank without micro-batches
+    still takes part in every parameter gather (:mod:`.grad_sync`). Nothing here reads a device
+    value back to the host (D12).
 
     With an ``offloader``, each micro-batch's forward runs in its offload context with the
     plan's ratio (:func:`~megatron_bytescale.runtime.offload_micro_batch`).
@@ -285,6 +296,10 @@ def run_micro_batches(
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
     Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
     """
+    if not forward_only:
+        install_ordered_grad_sync(model)
+        if step.num_micro_batches == 0:
+            gather_params_without_forward(model)
     if manager.pp_size > 1:
         from .pipeline_schedule import run_pipeline_micro_batches
 
@@ -324,7 +339,7 @@ def run_micro_batches(
                 order=planned.order,
                 ring_size=planned.ring_size,
                 tokens=planned.num_tokens,
-                loss_tokens=int(num_tokens),
+                loss_tokens=tensors.num_loss_tokens,
                 p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
                 busy_s=time.process_time() - busy0,
                 wall_s=time.perf_counter() - wall0,
@@ -374,16 +389,6 @@ def check_plan_pipeline(step: "HDPStep", pp_size: int) -> None:
         )
 
 
-def _refuse_overlapped_reduction(model: torch.nn.Module) -> None:
-    ddp_config = getattr(model, "ddp_config", None)
-    if ddp_config is not None and ddp_config.overlap_grad_reduce:
-        raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP: a rank that runs no "
-            "micro-batch queues no bucket during backward, and Megatron's overlapped reduction "
-            "expects it to; use overlap_grad_reduce=False"
-        )
-
-
 _OFFLOAD_WARNED = False
 
 
@@ -401,6 +406,40 @@ def _warn_about_offload(step: "HDPStep") -> None:
             "offloader=integration.activation_offloader(model) (or plan with offload=False)",
             step.index,
             offloaded[:5],
+        )
+
+
+def planned_loss_tokens(step: "HDPStep") -> int:
+    """Loss tokens this rank's micro-batches carry according to the plan (host arithmetic).
+
+    Every real token has a label except the last of its sequence, wherever it is placed.
+    """
+    lengths = step.plan.sequence_lengths()
+    return sum(
+        piece.end - piece.start - (piece.end == lengths[piece.seq])
+        for micro_batch in step.micro_batches
+        for piece in micro_batch.pieces
+    )
+
+
+def check_trained_loss_tokens(
+    step: "HDPStep", records: list[MicroBatchRecord], manager: Optional[HDPGroupManager] = None
+) -> None:
+    """Raise if the micro-batches built on this rank carry other loss tokens than planned.
+
+    Host integers only (the micro-batch builder counts its loss mask on the host), so the
+    check costs no device synchronisation; the plan's own total is checked by
+    ``StepPlan.validate``. With pipeline parallelism only the last stage counts loss tokens.
+    """
+    rank_map = getattr(manager, "rank_map", None)
+    if rank_map is not None and not rank_map.is_last_stage:
+        return
+    trained, planned = sum(r.loss_tokens for r in records), planned_loss_tokens(step)
+    if trained != planned:
+        raise RuntimeError(
+            f"step {step.index}: HDP rank {step.hdp_rank} trained {trained} loss tokens, its "
+            f"micro-batches in the plan carry {planned}; the micro-batch builder lost or "
+            "duplicated tokens"
         )
 
 

@@ -29,6 +29,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .grad_sync import install_ordered_grad_sync
 from .layer_spec import get_bytescale_layer_spec
 from .model import ByteScaleGPTModel
 
@@ -130,6 +131,7 @@ def wrap_for_hdp(
     adam_beta2: float = 0.95,
     distributed_optimizer: Optional[bool] = None,
     overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
     clip_grad: Optional[float] = None,
     bucket_size: Optional[int] = None,
 ) -> tuple[DistributedDataParallel, Any]:
@@ -138,6 +140,11 @@ def wrap_for_hdp(
     Args:
         distributed_optimizer: ZeRO-1 over the HDP group; default on with CUDA, and refused
             without it (see the module docstring).
+        overlap_grad_reduce: reduce gradient buckets during the last micro-batch's backward;
+            the buckets are issued in one fixed order on every rank, also on a rank without
+            micro-batches (:mod:`.grad_sync`).
+        overlap_param_gather: all-gather the updated parameters during the next forward
+            (needs the distributed optimizer and ``overlap_grad_reduce``).
         clip_grad: gradient-norm clipping; default 1.0 with CUDA, 0 (off) on CPU where
             Megatron's clipping asserts CUDA tensors.
     """
@@ -150,11 +157,10 @@ def wrap_for_hdp(
             "the distributed optimizer (ZeRO-1 over the HDP group) needs CUDA: megatron-core "
             "rejects CPU parameters; use distributed_optimizer=False on CPU"
         )
-    if overlap_grad_reduce:
+    if overlap_param_gather and not (distributed_optimizer and overlap_grad_reduce):
         raise ValueError(
-            "overlap_grad_reduce=True is not supported with HDP (ranks may run zero "
-            "micro-batches, and Megatron's overlapped reduction is driven by backward hooks); "
-            "use overlap_grad_reduce=False"
+            "overlap_param_gather=True needs the distributed optimizer and "
+            "overlap_grad_reduce=True (Megatron gathers the parameters its optimizer shards)"
         )
     if clip_grad is None:
         clip_grad = 1.0 if on_cuda else 0.0
@@ -163,6 +169,7 @@ def wrap_for_hdp(
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
         bucket_size=bucket_size,
@@ -171,6 +178,7 @@ def wrap_for_hdp(
         # as Megatron-LM's get_model does: half-precision weights, fp32 logits out
         model = Float16Module(config, model)
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    install_ordered_grad_sync(ddp_model)
     config.no_sync_func = ddp_model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer_config = OptimizerConfig(

@@ -181,6 +181,11 @@ class AttentionLayout:
     def max_seqlen(self) -> int:
         return max(slot.num_local for slot in self.slots)
 
+    @cached_property
+    def max_position(self) -> int:
+        """The largest position in its original sequence of any real row (host integer)."""
+        return max((b - 1 for slot in self.slots for a, b in slot.parts if b > a), default=0)
+
     @property
     def num_real_tokens(self) -> int:
         return sum(slot.num_real for slot in self.slots)
@@ -378,7 +383,7 @@ def build_micro_batch(
         masks += [has_next.to(torch.float32), torch.zeros(pad)]
         poss += [g, torch.zeros(pad, dtype=torch.long)]
     loss_mask = torch.cat(masks)
-    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    move = _mover(device)
     return MicroBatchTensors(
         tokens=move(torch.cat(toks)),
         labels=move(torch.cat(labs)),
@@ -389,6 +394,16 @@ def build_micro_batch(
         offload_ratio=mb.offload_ratio,
         num_loss_tokens=int(loss_mask.sum().item()),
     )
+
+
+def _mover(device: torch.device | str | None):
+    """Host tensors -> ``device``: CUDA copies are staged in pinned memory and non-blocking, so
+    building the next micro-batch never waits for the GPU (D12)."""
+    if device is None or torch.device(device).type == "cpu":
+        return lambda t: t
+    if torch.device(device).type == "cuda":
+        return lambda t: t.pin_memory().to(device, non_blocking=True)
+    return lambda t: t.to(device)
 
 
 def iter_micro_batches(

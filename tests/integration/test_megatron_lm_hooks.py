@@ -119,7 +119,7 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
         ((), dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
         ((), dict(attention_dropout=0.1), "--attention-dropout 0.1"),
-        ((), dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
+        ((), dict(ddp_average_in_collective=True), "--ddp-average-in-collective"),
         ((), dict(num_experts=8), "--num-experts"),
         ((), dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
         ((), dict(iterations_to_skip=[5]), "--iterations-to-skip"),
@@ -146,11 +146,11 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
 
 def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):
     values = tiny_model_args(mock_data=False, context_parallel_size=2, attention_dropout=0.1,
-                             overlap_grad_reduce=True, pipeline_model_parallel_size=2)
+                             ddp_average_in_collective=True, pipeline_model_parallel_size=2)
     argv = ("--bytescale-hdp", "--bytescale-context-length", "512")
     reasons = megatron_lm.hdp_refusals(megatron_namespace(*argv, **values))
     flags = ["--context-parallel-size 2", "--pipeline-model-parallel-size 2",
-             "--overlap-grad-reduce", "--attention-dropout 0.1", "--data-path",
+             "--ddp-average-in-collective", "--attention-dropout 0.1", "--data-path",
              "--max-position-embeddings"]
     assert len(reasons) == len(flags)
     for flag in flags:

@@ -47,6 +47,16 @@ def _cases():
                      cost_model=cm, offload=False, topology=NODES).validate()
     assert any(NODES.two_level_group(mb.ring) == 2 for rp in plan.ranks for mb in rp.micro_batches)
     cases.append(dict(plan=plan, topology=NODES.to_dict(), seed=5, n_q=4, n_kv=2, head_dim=8))
+    # the planner on interleaved nodes, flat rings: it orders the 4-ring node by node (0, 2, 1, 3)
+    # and keeps the 2-rings on one node; the runtime follows that order (identical results)
+    for lengths, seed in (([350, 40, 30, 64, 20, 90], 6), ([150, 130, 40, 30, 64, 20, 90, 180], 7)):
+        plan = make_plan(lengths, scheduler="balance", hdp_size=4, capacity=100, offload=False,
+                         cost_model=preset_cost_model("llama-7b").with_(ranks_per_node=2),
+                         topology=INTERLEAVED).validate()
+        rings = {mb.ring for rp in plan.ranks for mb in rp.micro_batches if len(mb.ring) > 1}
+        assert all(INTERLEAVED.ring_nodes(r) == INTERLEAVED.min_nodes(len(r)) for r in rings), rings
+        assert any(r != tuple(sorted(r)) for r in rings) or seed == 7
+        cases.append(dict(plan=plan, topology=INTERLEAVED.to_dict(), seed=seed, n_q=4, n_kv=2, head_dim=8))
     return cases
 
 
