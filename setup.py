@@ -34,6 +34,8 @@ setup(
         # tensorboard: the Megatron-LM tests read the HDP metrics back from its writer
         "test": ["pytest>=7", "hypothesis>=6.80", "tensorboard", *MEGATRON_LM_EXTRAS],
         "ray": ["ray>=2.9"],
+        # scripts/mutation_check.py (not part of the test suite)
+        "mutation": ["mutmut==3.8.1"],
     },
     entry_points={"console_scripts": ["bytescale=megatron_bytescale.cli:main"]},
 )

@@ -54,6 +54,7 @@ from .estimate import estimate_plan, simulate_plan  # noqa: E402
 from .offload import OffloadDecision, solve_offload  # noqa: E402
 from .order import check_deadlock_free  # noqa: E402
 from .presets import HardwareSpec, ModelSpec, preset_cost_model  # noqa: E402
+from .topology import Topology, ring_link_bytes  # noqa: E402
 from .schedulers import SCHEDULERS, make_plan  # noqa: E402
 
 __all__ += [
@@ -62,10 +63,12 @@ __all__ += [
     "ModelSpec",
     "OffloadDecision",
     "SCHEDULERS",
+    "Topology",
     "check_deadlock_free",
     "estimate_plan",
     "make_plan",
     "preset_cost_model",
+    "ring_link_bytes",
     "simulate_plan",
     "solve_offload",
 ]

@@ -44,6 +44,11 @@ its slowest hop).
 Host memory: a member offloading the ratio r of a micro-batch fills ``r * (l - 2) * Act(share)``
 bytes of host memory (``host_memory_bytes`` caps it, for all micro-batches in flight at once).
 
+Two-level rings (``two_level_ring``, docs/two_level_ring.md): a ring of D = k * G members on k
+whole nodes runs k steps between nodes (same formula with D -> k for the step count and the
+per-step compute ``attention / k``, the network rate) plus all-to-alls inside the node that
+move ``2 (G - 1) / G * share * (2 q + kv)`` bytes per layer over NVLink, charged as exposed.
+
 Offload (Eq. 3): moving ``r * Act`` bytes of one layer over PCIe is hidden behind that layer's
 compute when ``T >= Act * r / min(B_d2h, B_h2d)``, which is exactly the overlap constraint Eq. 3
 imposes; the solver in :mod:`.offload` only picks ratios that satisfy it, so offload is free

@@ -88,3 +88,13 @@ def test_run_hdp_step_refuses_model_configs_that_would_give_wrong_gradients(conf
         # refused before the step, the optimizer or the manager are touched
         run_hdp_step(None, model=_stub_model(**config), optimizer=None,
                      manager=SimpleNamespace(pp_size=1))
+
+
+def test_a_config_without_pipeline_fields_is_pipeline_size_one():
+    from megatron_bytescale.integration.schedule import check_model_config
+
+    config = SimpleNamespace(calculate_per_token_loss=True, finalize_model_grads_func=lambda *a: None)
+    # no pipeline_model_parallel_size attribute: one stage, accepted where Megatron runs one
+    check_model_config(config, SimpleNamespace(pp_size=1))
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size 1, but Megatron runs 2"):
+        check_model_config(config, SimpleNamespace(pp_size=2))

@@ -12,6 +12,13 @@ lower bounds no schedule can beat, both computed in this file from the cost mode
 The step itself is re-timed here by a plain event simulation (a ring starts when all members are
 free). Widening a long sequence only to twice the work bound (a real regression: 33 s -> 65 s on
 the Byted batch at 1,024 ranks) fails the 1.1x bound; so would any assignment worse than ~10 %.
+
+With pipeline parallelism the same bound is checked (work bound per stage; the critical path
+crosses every stage forward and backward, so pp times longer). PP-Balance meets it only on the
+GitHub batch at 1,024 ranks today; the other cases are expected failures (``strict``: a fix
+makes them pass and the marker must go), with the measured ratio in the reason. The waste is
+not the assignment (per-pipeline stage work is level to 0.2 % at 64 ranks) but ring
+rendezvous inside 1F1B: members reach a ring's forward at different times and wait.
 """
 
 from __future__ import annotations
@@ -109,3 +116,34 @@ def test_balance_is_within_ten_percent_of_the_lower_bounds(dataset, ranks, offlo
     assert step <= BOUND * bound, (
         f"{dataset} on {ranks} ranks: step {step:.2f} s > {BOUND} x max(work bound "
         f"{work_bound:.2f} s, critical path {critical_path(plan):.2f} s)")
+
+
+PP_CASES = [
+    # (dataset, ranks, pp, measured step / max(work bound, critical path) when it misses)
+    ("github", 1024, 2, None),
+    ("github", 1024, 4, None),
+    ("byted", 1024, 2, 1.31),
+    ("byted", 1024, 4, 1.24),
+    ("byted", 256, 2, 1.73),
+    ("github", 256, 4, 1.35),
+    ("github", 64, 2, 1.67),
+    ("byted", 64, 4, 1.57),
+]
+
+
+def _pp_case(dataset, ranks, pp, missed):
+    marks = () if missed is None else pytest.mark.xfail(
+        strict=True, reason=f"PP-Balance measures {missed}x the bound (ring rendezvous in 1F1B)")
+    return pytest.param(dataset, ranks, pp, marks=marks, id=f"{dataset}-{ranks}-pp{pp}")
+
+
+@pytest.mark.parametrize("dataset, ranks, pp", [_pp_case(*c) for c in PP_CASES])
+def test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds(dataset, ranks, pp):
+    plan = make_plan(lengths_of(dataset, 0), scheduler="balance", hdp_size=ranks, capacity=CAPACITY,
+                     cost_model=CM, context_length=CONTEXT, offload=True, pp_size=pp)
+    assert plan.meta["mode"] == "PP-Balance" and plan.layers_per_stage == CM.num_layers // pp
+    work = sum(member_seconds(plan, ring, lengths, ratio) * len(ring)
+               for ring, lengths, ratio in micro_batches(plan).values()) / ranks
+    bound = max(work, pp * critical_path(plan))
+    step = plan.estimate.step_time_s
+    assert step <= BOUND * bound, f"step {step:.2f} s = {step / bound:.2f} x max(work {work:.2f} s, critical path)"

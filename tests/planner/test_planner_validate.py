@@ -75,6 +75,8 @@ def brute_force_problems(d: dict) -> list[str]:
         if s["id"] in lengths or s["length"] < 1:
             problems.append(f"bad sequence {s}")
         lengths[s["id"]] = s["length"]
+    if n < 1 or cap < 1 or d.get("pp_size", 1) < 1 or d.get("align", 1) < 1 or layers < 1:
+        problems.append("sizes")
     if len(d["ranks"]) != n or [r["rank"] for r in d["ranks"]] != list(range(n)):
         problems.append("rank entries")
     owners: dict[int, list] = {}
@@ -254,6 +256,26 @@ def empty_sequence(d):
     d["sequences"][1]["length"] = 0
 
 
+def piece_of_a_sequence_not_carried(d):  # rank 0's pack holds tokens of sequence 1 it does not list
+    _mb(d, 0, 1)["pieces"].append({"seq": 1, "start": 0, "end": 5})
+
+
+def pieces_out_of_buffer_order(d):  # seqs say (2, 4), the pieces come as 4 then 2
+    mb = _mb(d, 0, 1)
+    mb["pieces"] = mb["pieces"][::-1]
+
+
+def empty_piece(d):
+    _mb(d, 2, 0)["pieces"][1] = {"seq": 0, "start": 24, "end": 24}
+
+
+def _sizes(**fields):
+    def edit(d):
+        d.update(fields)
+    edit.__name__ = "_".join(f"{k}_{v}" for k, v in fields.items())
+    return edit
+
+
 REJECTIONS = [
     (swap_orders, r"rank 3 micro-batch 1 \(order 1\): orders must increase on a rank \(previous 3\)"),
     (duplicate_order, r"rank 0 micro-batch 1 \(order 0\): orders must increase"),
@@ -284,6 +306,16 @@ REJECTIONS = [
     (plan_size_differs_from_entries, r"plan has 4 rank entries for hdp_size 5"),
     (duplicate_sequence_id, r"sequence id 1 appears twice"),
     (empty_sequence, r"sequence 1: length 0 must be >= 1"),
+    (piece_of_a_sequence_not_carried,
+     r"^rank 0 micro-batch 1 \(order 2\): piece of sequence 1, which is not in seqs \[2, 4\]$"),
+    (pieces_out_of_buffer_order,
+     r"^rank 0 micro-batch 1 \(order 2\): pieces \[\(4, 0, 3\), \(2, 0, 7\)\] do not follow the order of seqs \[2, 4\]$"),
+    (empty_piece, r"rank 2 micro-batch 0 \(order 0\): piece \[24, 24\) of sequence 0 is empty"),
+    (_sizes(hdp_size=0), r"^hdp_size \(0\) must be >= 1$"),
+    (_sizes(capacity=0), r"^capacity \(0\) must be >= 1$"),
+    (_sizes(pp_size=0), r"^pp_size \(0\) must be >= 1$"),
+    (_sizes(align=0), r"^align \(0\) and layers_per_stage \(1\) must be >= 1$"),
+    (_sizes(layers_per_stage=0), r"^align \(2\) and layers_per_stage \(0\) must be >= 1$"),
 ]
 
 
@@ -297,11 +329,23 @@ def test_validate_rejects(edit, message):
         plan.validate()
 
 
+def test_limits_are_inclusive():
+    d = valid_dict()
+    d["capacity"] = 12  # the fullest micro-batch holds exactly 12 tokens
+    StepPlan.from_dict(d).validate()
+    # one-token sequences on ranks of capacity 1
+    b = PlanBuilder(hdp_size=2, capacity=1, lengths={0: 1, 1: 1})
+    b.add([0], [0])
+    b.add([1], [1])
+    b.build(scheduler="hand").validate()
+
+
 def test_offload_lets_a_micro_batch_exceed_capacity_within_eq3_budget():
-    # 12 tokens, l = 8, r = 1: 12 * 2 / 8 = 3 token-equivalents resident (<= 11); r = 0.25: 9.75
-    for ratio, capacity in ((1.0, 11), (0.25, 10)):
+    # 12 tokens, l = 8, r = 1: 12 * 2 / 8 = 3 token-equivalents resident (<= 11); r = 0.25: 9.75;
+    # l = 3, r = 1: 12 * 2 / 3 = 8 (<= 10, and rank 0's pack of 10 fits exactly)
+    for ratio, capacity, layers in ((1.0, 11, 8), (0.25, 10, 8), (1.0, 10, 3)):
         d = valid_dict()
-        d["capacity"], d["layers_per_stage"] = capacity, 8
+        d["capacity"], d["layers_per_stage"] = capacity, layers
         _set_on_members(d, 0, offload_ratio=ratio)
         assert brute_force_problems(d) == []
         StepPlan.from_dict(d).validate()

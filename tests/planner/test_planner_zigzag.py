@@ -75,6 +75,12 @@ def test_share_by_hand(key):
     assert got == SHARES[key]
 
 
+def test_align_defaults_to_one_and_an_empty_sequence_holds_nothing():
+    assert zigzag_chunk(10, 2) == 3 and zigzag_parts(10, 2) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert zigzag_share(10, 2, 0) == [(0, 3), (9, 10)]
+    assert zigzag_share(0, 1, 0) == [] and zigzag_share(0, 3, 1) == []
+
+
 def test_parts_and_part_ids_by_hand():
     assert zigzag_parts(10, 2, 4) == [(0, 4), (4, 8), (8, 10), (10, 10)]
     assert zigzag_parts(23, 3, 3) == [(0, 6), (6, 12), (12, 18), (18, 23), (23, 23), (23, 23)]
@@ -118,3 +124,55 @@ def test_bad_arguments():
         zigzag_share(10, 2, 2)
     with pytest.raises(ValueError, match=r"ring position \(1\) must be 0"):
         zigzag_share(10, 1, 1)
+
+
+# --------------------------------------------------------------------------- stated splits
+def test_splits_by_hand():
+    from megatron_bytescale.planner.zigzag import even_zigzag_split, padded_part_size, zigzag_split
+
+    assert zigzag_split(10, 2) == ((0, 3), (3, 6), (6, 9), (9, 10))  # align defaults to 1
+    assert zigzag_split(10, 2, 4) == ((0, 4), (4, 8), (8, 10), (10, 10))
+    assert zigzag_split(7, 1) == ((0, 7),)
+    # as even as possible: 10 = 3 + 3 + 2 + 2
+    assert even_zigzag_split(10, 2) == ((0, 3), (3, 6), (6, 8), (8, 10))
+    assert even_zigzag_split(7, 1) == ((0, 7),)
+    # the largest part, rounded up to align (default 1); all-empty parts still take one row
+    assert padded_part_size(((0, 3), (3, 5))) == 3
+    assert padded_part_size(((0, 3), (3, 5)), 4) == 4
+    assert padded_part_size(((0, 0), (0, 0))) == 1
+    with pytest.raises(ValueError, match=r"align \(0\) must be >= 1"):
+        padded_part_size(((0, 3),), 0)
+
+
+def test_split_recovered_from_shares_by_hand():
+    from megatron_bytescale.planner.zigzag import zigzag_split_from_shares
+
+    # N = 2, length 8: position 0 holds parts 0 and 3, position 1 parts 1 and 2
+    assert zigzag_split_from_shares(8, [[(0, 2), (6, 8)], [(2, 4), (4, 6)]]) == ((0, 2), (2, 4), (4, 6), (6, 8))
+    # uneven parts are fine as long as they tile in zigzag order
+    assert zigzag_split_from_shares(8, [[(0, 3), (7, 8)], [(3, 5), (5, 7)]]) == ((0, 3), (3, 5), (5, 7), (7, 8))
+    assert zigzag_split_from_shares(5, [[(0, 5)]]) == ((0, 5),)
+
+
+@pytest.mark.parametrize("length, shares, message", [
+    (8, [], r"^a zigzag split needs at least one ring position$"),
+    (8, [[(0, 7)]], r"a ring of size 1 holds the whole sequence \[0, 8\), got \[\(0, 7\)\]"),
+    (8, [[(0, 1), (1, 2), (7, 8)], [(2, 7)]],
+     r"^ring position 0 holds 3 pieces; at most 2 \(parts 0 and 3\)$"),
+    (12, [[(0, 2)], [(2, 4)], [(4, 6), (6, 7), (7, 12)]],
+     r"^ring position 2 holds 3 pieces; at most 2 \(parts 2 and 3\)$"),
+    (8, [[(0, 2), (6, 8)], [(3, 3), (4, 6)]], r"^ring position 1: piece \[3, 3\) is empty or outside \[0, 8\)$"),
+    (8, [[(0, 2), (6, 9)], [(2, 4), (4, 6)]], r"^ring position 0: piece \[6, 9\) is empty or outside \[0, 8\)$"),
+    # tokens 6-7 in no piece: the parts stop short of the end
+    (8, [[(0, 2)], [(2, 4), (4, 6)]],
+     r"^pieces \[\[\(0, 2\)\], \[\(2, 4\), \(4, 6\)\]\] are not a contiguous zigzag split of \[0, 8\) "
+     r"over 2 ring positions \(position p holds parts p and 4-1-p, in that order, and the 4 parts "
+     r"tile the sequence in order\)$"),
+    # the parts tile [0, 8) but position 1 holds one more piece (an overlap)
+    (8, [[(0, 8)], [(3, 5)]], r"are not a contiguous zigzag split of \[0, 8\) over 2 ring positions"),
+])
+def test_split_from_shares_refuses(length, shares, message):
+    from megatron_bytescale.planner.zigzag import zigzag_split_from_shares
+
+    with pytest.raises(ValueError, match=message):
+        zigzag_split_from_shares(length, shares)

@@ -1,0 +1,509 @@
+#!/usr/bin/env python
+"""Mutation check of the core invariant modules; writes two sections of docs/testing.md.
+
+A test suite is only as good as the bugs it catches. This script plants bugs and runs the tests
+that should catch them, in a copy of the tree (the worktree is never modified):
+
+1. ``planted``: the five bugs an audit once found the suite blind to (alignment ignored, order
+   check dropped, balance widening to twice the lower bound, resume skipping samples instead of
+   batches, bf16 ring accumulators), each planted by a textual edit, with the test files that
+   must fail. Fast (~2-4 minutes): run it after changing the tests of those modules.
+2. ``mutmut``: mutmut 3 (``pip install -e .[mutation]``) generates every mutant of the named
+   functions of the core modules (zigzag split, ``StepPlan.validate``, execution order and
+   deadlock check, the balance scheduler, the online-softmax merge, the token-level loss and
+   model-config guard, the resume offset of the data path) and runs, for each, the tests that
+   execute that function (in-process tests only: mutmut cannot see calls made inside spawned
+   ranks, so every target here has an in-process test). Survivors must be killed by a test or
+   listed in :data:`EQUIVALENT` with the reason they cannot be told apart; the script exits 1 if
+   one is neither. ~10-25 minutes on 2 busy cores.
+
+Neither part is in ``bash scripts/test.sh``.
+
+Usage::
+
+    .venv/bin/python scripts/mutation_check.py                 # both parts, writes docs/testing.md
+    .venv/bin/python scripts/mutation_check.py --part planted  # only the five planted bugs
+    .venv/bin/python scripts/mutation_check.py --part mutmut --targets zigzag,online_softmax
+    .venv/bin/python scripts/mutation_check.py --no-write --keep   # print; keep the work folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTING_MD = ROOT / "docs" / "testing.md"
+RESULTS = ROOT / "docs" / "mutation_check.json"
+PKG = "megatron_bytescale"
+
+
+def progress(msg: str) -> None:
+    print(f"[mutation_check] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- planted bugs
+@dataclass(frozen=True)
+class Planted:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]
+    """(file, exact original text, replacement); the text must occur exactly once."""
+    tests: tuple[str, ...]
+
+
+PLANTED = [
+    Planted(
+        "alignment ignored", "zigzag_chunk returns ceil(L / 2N) without rounding up to align",
+        (("megatron_bytescale/planner/zigzag.py",
+          "    return -(-per_part // align) * align", "    return per_part"),),
+        ("tests/planner/test_planner_zigzag.py", "tests/runtime/test_runtime_layout.py",
+         "tests/planner/test_planner_cost_model.py"),
+    ),
+    Planted(
+        "order check dropped", "StepPlan.validate no longer checks that orders increase on a rank",
+        (("megatron_bytescale/planner/plan.py",
+          "            if last_order is not None and mb.order <= last_order:",
+          "            if False:"),),
+        ("tests/planner/test_planner_validate.py", "tests/integration/test_guards.py"),
+    ),
+    Planted(
+        "balance regression", "balance widens long sequences only to twice the lower bound",
+        (("megatron_bytescale/planner/schedulers/balance.py",
+          "        target = work / n / pp_size", "        target = 2 * work / n / pp_size"),),
+        ("tests/planner/test_planner_balance_scale.py",),
+    ),
+    Planted(
+        "resume offset (train)", "resuming skips consumed_train_samples global batches, not steps",
+        (("megatron_bytescale/integration/megatron_lm_data.py",
+          'schedule.steps_done(getattr(args, "consumed_train_samples", 0) or 0)',
+          '(getattr(args, "consumed_train_samples", 0) or 0)'),),
+        ("tests/integration/test_resume_offset.py",
+         "tests/integration/test_megatron_lm_hooks.py::test_resume_from_consumed_samples_continues_the_uninterrupted_run"),
+    ),
+    Planted(
+        "resume offset (valid)", "resuming evaluation skips consumed_valid_samples global batches",
+        (("megatron_bytescale/integration/megatron_lm_data.py",
+          '(getattr(args, "consumed_valid_samples", 0) or 0) // int(args.global_batch_size)',
+          '(getattr(args, "consumed_valid_samples", 0) or 0)'),),
+        ("tests/integration/test_resume_offset.py",),
+    ),
+    Planted(
+        "accumulator dtype", "the ring accumulates out and dq in the input dtype (bf16), not fp32",
+        (("megatron_bytescale/runtime/ring_step.py",
+          "    out = torch.zeros(q.shape, dtype=acc, device=q.device)",
+          "    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)"),
+         ("megatron_bytescale/runtime/ring_attention.py",
+          "    dq = torch.zeros(q.shape, dtype=acc, device=q.device)",
+          "    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)")),
+        ("tests/runtime/test_runtime_numerics.py",),
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The tracked (and new, not ignored) files of the package, tests and pytest.ini."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", PKG, "tests", "pytest.ini"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    for rel in listed:
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_planted(python: str, timeout_s: int) -> tuple[str, bool]:
+    rows, all_caught = [], True
+    for bug in PLANTED:
+        with tempfile.TemporaryDirectory(prefix="planted-") as tmp:
+            work = Path(tmp)
+            copy_tree(work)
+            missing = []
+            for rel, old, new in bug.edits:
+                path = work / rel
+                text = path.read_text(encoding="utf-8")
+                if text.count(old) != 1:
+                    missing.append(rel)
+                    continue
+                path.write_text(text.replace(old, new), encoding="utf-8")
+            if missing:
+                rows.append([bug.name, bug.what, "could not plant: the code moved (" + ", ".join(missing) + ")", "-"])
+                all_caught = False
+                continue
+            progress(f"planted: {bug.name} ...")
+            start = time.perf_counter()
+            done = subprocess.run(
+                [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *bug.tests],
+                cwd=work, capture_output=True, text=True, timeout=timeout_s,
+                env=dict(os.environ, PYTHONWARNINGS="ignore"),
+            )
+            failed = sorted({line.split()[1].split("[")[0] for line in done.stdout.splitlines()
+                             if line.startswith("FAILED ")})
+            caught = done.returncode == 1 and bool(failed)
+            all_caught &= caught
+            shown = "<br>".join(f"`{t}`" for t in failed[:6]) + (f"<br>... {len(failed) - 6} more" if len(failed) > 6 else "")
+            rows.append([bug.name, bug.what, shown if caught else f"NOT CAUGHT (pytest exit {done.returncode})",
+                         f"{time.perf_counter() - start:.0f} s"])
+    body = (
+        "### Planted bugs\n\n"
+        "Each bug planted alone into a copy of the tree; the tests listed are those of the named "
+        "files that failed (`scripts/mutation_check.py --part planted`). "
+        + machine_line() + "\n\n"
+        + markdown_table(["bug", "what was planted", "failing tests", "time"], rows) + "\n"
+    )
+    return body, all_caught
+
+
+# ----------------------------------------------------------------------------- mutmut
+@dataclass(frozen=True)
+class Target:
+    key: str
+    label: str
+    file: str
+    functions: tuple[str, ...]
+    """mutmut's names of the functions to mutate, as globs: ``x_<function>`` for a function,
+    ``xǁ<Class>ǁ<method>`` for a method."""
+    tests: tuple[str, ...]
+    """The in-process tests mutmut may run; per mutant it runs those that execute the function
+    (mutmut cannot see calls made inside spawned ranks)."""
+    lines: str | None = None
+    """Only mutants of original lines matching this regex (a function's other lines are plumbing)."""
+
+
+PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_planner_zigzag_splits.py",
+                 "tests/planner/test_planner_validate.py")
+TARGETS = [
+    Target("zigzag", "planner/zigzag.py", "megatron_bytescale/planner/zigzag.py", ("*",),
+           PLANNER_TESTS + ("tests/runtime/test_runtime_layout.py",)),
+    Target("validate", "planner/plan.py (validate)", "megatron_bytescale/planner/plan.py",
+           ("x__validate", "x__check_piece_order", "x_resident_tokens"),
+           PLANNER_TESTS + ("tests/planner/test_planner_order_estimate.py",)),
+    Target("order", "planner/order.py (order, deadlock check)", "megatron_bytescale/planner/order.py",
+           ("x_pipeline_ops", "x_rank_orders", "x__barrier_segments", "x_simulate", "x_check_deadlock_free"),
+           ("tests/planner/test_planner_order_by_hand.py", "tests/planner/test_planner_order_estimate.py",
+            "tests/integration/test_guards.py")),
+    # PP-Balance (pp_balance, _best_pp_plan, _place_rings_aligned, _place_runs) is left out: it
+    # misses the quality bound today (strict xfail in test_planner_balance_scale.py), and pinning
+    # its current output with tests would freeze a placement that is known to need work
+    Target("balance", "planner/schedulers/balance.py (widening, DP-Balance)",
+           "megatron_bytescale/planner/schedulers/balance.py",
+           ("x_plan_balance", "x_widen_for_balance", "x__smallest_ring_under", "x__ring_grid",
+            "x__best_dp_assignment", "x__makespan", "x_dp_balance", "x__place_ring", "xǁ_Holesǁ*"),
+           ("tests/planner/test_planner_balance_units.py",
+            "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
+            "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py")),
+    Target("online_softmax", "runtime/online_softmax.py", "megatron_bytescale/runtime/online_softmax.py",
+           ("*",), ("tests/runtime/test_runtime_online_softmax.py",)),
+    Target("loss", "integration/schedule.py (token-level loss, config guard)",
+           "megatron_bytescale/integration/schedule.py", ("x_token_level_loss", "x_check_model_config"),
+           ("tests/integration/test_token_loss.py", "tests/integration/test_guards.py")),
+    Target("resume_schedule", "integration/batch_schedule.py (resume offset)",
+           "megatron_bytescale/integration/batch_schedule.py",
+           ("xǁGlobalBatchScheduleǁ_extend", "xǁGlobalBatchScheduleǁsamples",
+            "xǁGlobalBatchScheduleǁconsumed_before", "xǁGlobalBatchScheduleǁsteps_done"),
+           ("tests/integration/test_resume_offset.py", "tests/integration/test_megatron_lm_data_semantics.py")),
+    Target("resume_data", "integration/megatron_lm_data.py (resume offset)",
+           "megatron_bytescale/integration/megatron_lm_data.py",
+           ("x_build_hdp_data_iterators", "x_budget_batches"),
+           ("tests/integration/test_resume_offset.py",
+            "tests/integration/test_megatron_lm_hooks.py::test_budget_batches_resume_and_shuffle"),
+           lines=r"skips = .*|consumed_\w+.*|skip_batches=skips\[split_index\]|skip_batches: int = 0"
+                 r"|if step >= skip_batches|step = 0|step \+= 1"),
+]
+
+# Surviving mutants that no test can kill, with the reason. Keyed by (mutant-name glob, a regex
+# the mutation "original  ->  mutated" must match), so renumbering after unrelated edits keeps them.
+TOLERANCE = ("a float tolerance (1e-9 or 1e-12 relative): the outcome differs only when two times "
+             "agree to that many digits")
+EQUIVALENT: list[tuple[str, str, str]] = [
+    # planner/plan.py
+    ("*plan.x__check_piece_order__*", r"last = -1  ->  last = -2",
+     "positions in seqs are >= 0: any negative start lets the first piece pass"),
+    ("*plan.x__validate__*", r"plan\.capacity \+ 1e-9", TOLERANCE),
+    ("*plan.x__validate__*", r"what = \"overlap\" if start < pos else",
+     "inside `if start != pos`, start == pos cannot happen"),
+    ("*plan.x_resident_tokens__*", r"if l <= 2 or .*  ->  if l < 2 or",
+     "at l = 2 Eq. 3 keeps n * (2 + (1 - r) * 0) / 2 = n, what the early return gives"),
+    ("*plan.x_resident_tokens__*", r"offload_ratio <= 0.0:  ->  .*offload_ratio < 0.0:",
+     "at r = 0 Eq. 3 keeps n * (2 + (l - 2)) / l = n, what the early return gives"),
+    # planner/order.py
+    ("*order.x__barrier_segments__*", r'side="left"', "numpy's searchsorted defaults to side='left'"),
+    ("*order.x_simulate__*", r'get\("barrier_after_orders", \[\]\) or \[\]',
+     "`.get(key, [])`, `.get(key, None)` and `.get(key)` all become [] after `or []`"),
+    ("*order.x_simulate__*", r"defaultdict\(int\)  ->  .*defaultdict\(None\)",
+     "every node's in-degree is stored (setdefault) before an edge adds to it"),
+    ("*order.x_simulate__*", r"indeg\.setdefault\(.*  ->  .*indeg\.setdefault\(",
+     "indeg is a defaultdict(int): a node without an entry reads 0, what setdefault stores; the "
+     "stray key (None, 0 or a misspelt barrier) is never a node of the graph"),
+    ("*order.x_simulate__*", r'elif phase == \"B\":',
+     "at the last stage 1F1B runs B(i) right after F(i) in the stage's own op list, which "
+     "already orders them"),
+    ("*order.x_simulate__*", r"if end > ready_at\[v\]:  ->  if end >= ready_at\[v\]:",
+     "assigning an equal value changes nothing"),
+    ("*order.x_simulate__*", r"_deadlock_message\(plan, .*  ->  .*_deadlock_message\(None,",
+     "_deadlock_message does not read its plan argument"),
+    # runtime/online_softmax.py
+    ("*online_softmax.x_merge_partial_attention__*", r"block_lse\.to\(lse\.dtype\)  ->  .*\.to\(None\)",
+     "tensor.to(None) is a no-op and type promotion computes in the accumulator's dtype anyway "
+     "(block results are never more precise than the accumulator)"),
+    # planner/schedulers/balance.py
+    ("*balance.x_widen_for_balance__*", r"\(1 [+-] 1e-9\)", TOLERANCE),
+    ("*balance.xǁ_Holesǁadd__*", r"1e-12", TOLERANCE),
+    ("*balance.x_widen_for_balance__*", r"changed = |if not changed",
+     "a second pass never changes a unit (targets only grow as units widen, and a widened unit "
+     "already meets its target or its 2 % aim), so how many passes run cannot change the plan"),
+    ("*balance.x_dp_balance__*", r"if n else|if \(n\)", "n >= 1 always (make_plan refuses hdp_size < 1)"),
+    ("*balance.x__makespan__*", r"if n else", "n >= 1 always (make_plan refuses hdp_size < 1)"),
+    ("*balance.x_dp_balance__*", r"timed\.sort\(key=lambda x: \(x\[0\], x\[1\]\)\)  ->  timed\.sort\(key=None\)",
+     "tuples (start, index, placement) sort by (start, index) anyway: indices are unique"),
+    ("*balance.x__ring_grid__*", r"dtype=np.int64", "np.array of Python ints is int64 already"),
+    ("*balance.x__ring_grid__*", r"x = max\(x \* 1\.1, x \+ 1\)|while x < hi",
+     "grid resolution: the bisection after the grid search finds the same smallest ring, and a "
+     "grid that stops one step later or earlier still contains both ends"),
+    ("*balance.x__smallest_ring_under__*", r"times\[: best \+ 1\]",
+     "times[best] always meets the aim (aim >= 1.02 x times[best]), so the first index that "
+     "meets it is at most best whatever the slice end or the comparison"),
+    ("*balance.x__smallest_ring_under__*", r"lo, hi = int\(grid\[k - 1\]\)",
+     "lo is only a lower end for the bisection: any ring size below the answer finds the same one"),
+    ("*balance.x__smallest_ring_under__*", r"\[0\] <= aim:  ->  .*\[0\] < aim:",
+     "a ring time equal to the aim to the last bit"),
+    ("*balance.x__smallest_ring_under__*", r"return ctx\.resize\(u, hi\) if hi != u\.ring_size else u",
+     "resize returns the unit unchanged for its own ring size"),
+    ("*balance.x__best_dp_assignment__*", r"default=0\.0\)  ->  .*default=1\.0\)",
+     "with no units the LPT makespan is 0, which either default lets return early"),
+    ("*balance.x__best_dp_assignment__*", r"if candidates\[0\]\[2\] <= floor:  ->  if candidates\[0\]\[2\] < floor:",
+     "the other candidates run Eq. 3's units, whose longest takes `floor`: they cannot beat an "
+     "LPT makespan equal to it, and min keeps the first of equal candidates (only planning "
+     "time changes)"),
+    ("*balance.x__place_ring__*", r"if topo\.ring_nodes\(ring\) > topo\.min_nodes\(d\) \+ 1:",
+     "differs only for a load-only ring on exactly min + 1 nodes; on_nodes(d, min + 1) then "
+     "returns the earliest start on min + 1 nodes, which that ring already has: the same start "
+     "and time, members chosen among equally loaded ranks"),
+    ("*balance.x_widen_for_balance__*", r"if n <= 1 or not units:  ->  if n (<= 1 and|< 1 or) not units:",
+     "with one rank no unit is slower than the lower bound (the sum of all units), so the loop "
+     "changes nothing"),
+    # integration/batch_schedule.py
+    ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"while len\(self\._sizes\) < steps:  ->  .*<= steps:",
+     "computes one step more than asked: every size depends only on the samples consumed before it"),
+    ("*batch_schedule.xǁGlobalBatchScheduleǁsamples__*", r"self\._extend\(step \+ 1\)  ->  self\._extend\(step \+ 2\)",
+     "computes one step more than asked: every size depends only on the samples consumed before it"),
+    ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"consistency_check=False\)  ->  .*consistency_check=None\)",
+     "None is as false as False"),
+    ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
+     "the rank element never decides (-inf already sorts before every start); +inf only "
+     "differs for a hole exactly as long as the unit, to the last bit"),
+]
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
+          36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout"}
+
+
+def _mutmut_config(target: Target) -> str:
+    tests = "\n".join(f"    {t}" for t in target.tests)
+    return (
+        "[mutmut]\n"
+        f"source_paths = {PKG}\n"
+        f"only_mutate =\n    {target.file}\n"
+        f"pytest_add_cli_args_test_selection =\n{tests}\n"
+        "pytest_add_cli_args = -p no:cacheprovider\n"
+        "also_copy =\n    pytest.ini\n"
+        # torch is not fork-safe after use: fork every mutant from a clean server process
+        "process_isolation = forkserver\n"
+        "use_git_change_detection = false\n"
+        # log lines and the text of error messages are not behaviour under test (tests match the
+        # part of a message that names the value; the wording may improve freely)
+        "do_not_mutate_patterns =\n    logger\\.\n    ^\\s*raise \\w+\\(\n"
+        "    ^\\s*f?[\"'][^\"']*[\"']\\s*\\)*,?\\s*(#.*)?$\n"
+    )
+
+
+def _mutations(mutants_file: Path, module: str) -> dict[str, str]:
+    """Every mutant of the file: full name -> "original line(s) -> mutated line(s)"."""
+    tree = ast.parse(mutants_file.read_text(encoding="utf-8"))
+    lines = mutants_file.read_text(encoding="utf-8").splitlines()
+    bodies: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "__mutmut_" in node.name:
+            bodies[node.name] = lines[node.lineno:node.end_lineno]  # without the def line
+            bodies[node.name + ":def"] = [lines[node.lineno - 1].replace(node.name, "f", 1)]
+    out = {}
+    for name in bodies:
+        if name.endswith(":def") or name.endswith("__mutmut_orig"):
+            continue
+        orig = name.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
+        if orig not in bodies:
+            continue
+        a = bodies[orig + ":def"] + bodies[orig]
+        b = bodies[name + ":def"] + bodies[name]
+        diff = [l for l in difflib.unified_diff(a, b, lineterm="", n=0) if not l.startswith(("---", "+++", "@@"))]
+        minus = " / ".join(l[1:].strip() for l in diff if l.startswith("-"))
+        plus = " / ".join(l[1:].strip() for l in diff if l.startswith("+"))
+        out[f"{module}.{name}"] = f"{minus}  ->  {plus}"
+    return out
+
+
+def _touches(pattern: str, mutation: str) -> bool:
+    """Whether the part of the original text that the mutation changes overlaps a match of
+    ``pattern`` (a call line may carry the resume offset next to unrelated arguments)."""
+    before, _, after = mutation.partition("  ->  ")
+    i = 0
+    while i < min(len(before), len(after)) and before[i] == after[i]:
+        i += 1
+    j = 0
+    while j < min(len(before), len(after)) - i and before[-1 - j] == after[-1 - j]:
+        j += 1
+    lo, hi = i, max(i + 1, len(before) - j)
+    return any(m.start() < hi and lo < m.end() for m in re.finditer(pattern, before))
+
+
+def _justification(name: str, mutation: str) -> str | None:
+    for glob, pattern, reason in EQUIVALENT:
+        if fnmatch.fnmatch(name, glob) and re.search(pattern, mutation):
+            return reason
+    return None
+
+
+def _mutmut(python: str, work: Path, names: list[str], max_children: int, timeout_s: int) -> None:
+    with open(work / "mutmut.log", "a", encoding="utf-8") as log:
+        done = subprocess.run([python, "-m", "mutmut", "run", "--max-children", str(max_children), *names],
+                              cwd=work, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    if done.returncode != 0:
+        tail = (work / "mutmut.log").read_text(encoding="utf-8", errors="replace")[-3000:]
+        raise SystemExit(f"mutmut failed in {work} (exit {done.returncode}):\n{tail}")
+
+
+def run_target(python: str, target: Target, max_children: int, keep: bool, timeout_s: int):
+    """(table row, survivor rows, unjustified count, mutants run) of one target."""
+    work = Path(tempfile.mkdtemp(prefix=f"mutmut-{target.key}-"))
+    try:
+        copy_tree(work)
+        (work / "setup.cfg").write_text(_mutmut_config(target), encoding="utf-8")
+        module = target.file[:-3].replace("/", ".")
+        progress(f"{target.key}: generating mutants and mapping tests in {work}")
+        # mutmut generates every mutant of the file, maps tests to functions and runs what the
+        # names match; it insists on a match, so this first pass runs each function's mutant 1
+        _mutmut(python, work, [f"{module}.*__mutmut_1"], max_children, timeout_s)
+        mutations = _mutations(work / "mutants" / target.file, module)
+        chosen = sorted(
+            n for n, m in mutations.items()
+            if any(fnmatch.fnmatch(n.rsplit("__mutmut_", 1)[0], f"{module}.{f}") for f in target.functions)
+            and (target.lines is None or _touches(target.lines, m))
+        )
+        progress(f"{target.key}: running {len(chosen)} mutants")
+        start = time.perf_counter()
+        if chosen:
+            _mutmut(python, work, chosen, max_children, timeout_s)
+        elapsed = time.perf_counter() - start
+        meta = json.loads((work / "mutants" / (target.file + ".meta")).read_text(encoding="utf-8"))
+        codes = {n: meta["exit_code_by_key"].get(n) for n in chosen}
+        status = {n: STATUS.get(c, "suspicious" if c is not None else "not run") for n, c in codes.items()}
+        count = {s: list(status.values()).count(s) for s in set(status.values())}
+        survivors, unjustified = [], 0
+        for name in chosen:
+            if status[name] in ("killed", "timeout"):  # a timeout: the mutant made a test hang
+                continue
+            reason = _justification(name, mutations[name])
+            unjustified += reason is None
+            survivors.append([target.label, name.rsplit(".", 1)[-1], f"`{mutations[name]}`",
+                              f"{status[name]}: " + (reason or "**NOT JUSTIFIED**")])
+        justified = len(survivors) - unjustified
+        row = [target.label, len(chosen), count.get("killed", 0), count.get("timeout", 0),
+               count.get("survived", 0), count.get("no tests", 0),
+               len(chosen) - sum(count.get(s, 0) for s in ("killed", "timeout", "survived", "no tests")),
+               justified, unjustified, f"{elapsed / 60:.1f}"]
+        progress(f"{target.key}: {row}")
+        return row, survivors, unjustified, len(chosen)
+    finally:
+        if keep:
+            progress(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
+               timeout_s: int) -> tuple[str, bool]:
+    if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
+        raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
+                         "(or pip install mutmut==3.8.1)")
+    state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
+    for target in targets:
+        row, surv, bad, n = run_target(python, target, max_children, keep, timeout_s)
+        state[target.key] = {"row": row, "survivors": surv, "unjustified": bad, "mutants": n,
+                             "date": time.strftime("%Y-%m-%d"), "workers": max_children}
+        RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    # the table shows every target's latest run (``--targets`` reruns only some of them)
+    known = [t.key for t in TARGETS if t.key in state]
+    rows = [state[k]["row"] for k in known]
+    survivors = [s for k in known for s in state[k]["survivors"]]
+    unjustified = sum(state[k]["unjustified"] for k in known)
+    total = sum(state[k]["mutants"] for k in known)
+    minutes = sum(float(state[k]["row"][-1]) for k in known)
+    body = (
+        "### Mutation check (mutmut)\n\n"
+        f"`scripts/mutation_check.py --part mutmut`: mutmut 3 over the functions named in the script, "
+        f"{total} mutants, {minutes:.0f} min of mutant runs with {max_children} workers (plus about "
+        "a minute per target to generate mutants and map tests); a timeout counts as detected (the "
+        f"mutant made a test hang). Per-target results: `{RESULTS.relative_to(ROOT)}`. "
+        + machine_line() + "\n\n"
+        + markdown_table(["module", "mutants", "killed", "timeout", "survived", "no test ran it", "other",
+                          "equivalent (justified)", "unjustified", "minutes"], rows) + "\n"
+    )
+    if survivors:
+        body += ("\nEvery mutant not detected, with the reason no test can detect it (mutants are "
+                 "renumbered when the code changes; the mutation is what counts):\n\n"
+                 + markdown_table(["module", "mutant", "mutation", "status: reason"], survivors) + "\n")
+    return body, unjustified == 0
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("both", "planted", "mutmut"), default="both")
+    ap.add_argument("--targets", default="all",
+                    help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all)")
+    ap.add_argument("--max-children", type=int, default=2, help="mutmut workers (default 2)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole mutmut run")
+    ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing docs/testing.md")
+    ap.add_argument("--keep", action="store_true", help="keep mutmut's work folder (to inspect mutants)")
+    args = ap.parse_args()
+    python = sys.executable
+    ok = True
+    if args.part in ("both", "planted"):
+        body, caught = run_planted(python, timeout_s=900)
+        ok &= caught
+        print(body) if args.no_write else write_section("planted", body, TESTING_MD)
+    if args.part in ("both", "mutmut"):
+        wanted = None if args.targets == "all" else set(args.targets.split(","))
+        unknown = (wanted or set()) - {t.key for t in TARGETS}
+        if unknown:
+            raise SystemExit(f"--targets: unknown {sorted(unknown)}; choose from {[t.key for t in TARGETS]}")
+        targets = [t for t in TARGETS if wanted is None or t.key in wanted]
+        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout)
+        ok &= clean
+        print(body) if args.no_write else write_section("mutmut", body, TESTING_MD)
+    if not ok:
+        progress("a planted bug was not caught, or a surviving mutant is not justified (see the tables)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
