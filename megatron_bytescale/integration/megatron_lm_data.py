@@ -309,7 +309,8 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
         check_two_level_heads(int(groups or heads) // int(args.tensor_model_parallel_size), topology)
         manager.two_level_topology = topology
-    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model, topology=topology)
+    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model,
+                                topology=topology, pp_size=manager.pp_size)
     seq_length = int(args.seq_length)
     tokens_per_batch = int(args.global_batch_size) * seq_length
     schedule = GlobalBatchSchedule.from_args(args, data_parallel_size=manager.size)

@@ -60,14 +60,15 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
     ok, cp, pp, plain = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
-        [*hdp, "--pipeline-model-parallel-size", "2"],
+        [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+         "--num-layers-per-virtual-pipeline-stage", "1"],
         [*TINY_GPT, "--bytescale-capacity", "128"],
     ], ARGS, world_size=4)
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
     # refusals: one report from rank 0 and exit status 2, no traceback
     assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr
     assert (pp.error, pp.message) == ("SystemExit", "2")
-    assert "--pipeline-model-parallel-size 2" in pp.stderr
+    assert "interleaved pipeline stages" in pp.stderr
     # flag off: Megatron's own behaviour
     assert plain.values["calculate_per_token_loss"] is False
     assert plain.values["dataloader_type"] == "single"
