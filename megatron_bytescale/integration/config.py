@@ -30,6 +30,7 @@ PlanMode = Literal["every_rank", "rank0_broadcast"]
 AttentionBackend = Literal["auto", "torch", "math", "flash_attn", "te"]
 DkvWire = Literal["accumulator", "input"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
+DataLoaderName = Literal["local", "ray"]
 
 
 class RefusedArguments(ValueError):
@@ -137,6 +138,25 @@ class ByteScaleConfig:
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""
 
+    dataloader: DataLoaderName = "local"
+    """Where global batches are read and planned: 'local' (every rank reads the lengths and
+    plans, the next step on a background thread) or 'ray' (ByteScale's remote loader: Ray
+    reader actors run the data, one planner actor plans steps ahead for all ranks, and each rank
+    fetches the plan and only its own micro-batches' tokens; pip install
+    'megatron_bytescale[ray]')."""
+
+    ray_address: Optional[str] = None
+    """Ray cluster of --bytescale-dataloader ray ('auto', or the head's host:port). Default:
+    RAY_ADDRESS, else a Ray instance that the first process starts on its node (one node)."""
+
+    ray_readers: int = 2
+    """Reader actors of --bytescale-dataloader ray; sequence i of a global batch is read by
+    reader i mod this many."""
+
+    ray_lookahead: int = 2
+    """Steps the planner actor of --bytescale-dataloader ray plans beyond the newest step a
+    rank asked for."""
+
     def __post_init__(self) -> None:
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(
@@ -165,7 +185,17 @@ class ByteScaleConfig:
                 f"{flag_name('ranks_per_node')} ({self.ranks_per_node}) must be >= 1 (processes "
                 "per node)"
             )
-        for name in ("scheduler", "plan_mode", "attention_backend", "overlong", "dkv_wire_dtype"):
+        for name in ("ray_readers", "ray_lookahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag_name(name)} ({getattr(self, name)}) must be >= 1")
+        if self.dataloader == "ray" and self.plan_mode != "every_rank":
+            raise ValueError(
+                f"{flag_name('plan_mode')} {self.plan_mode} does not apply to "
+                f"{flag_name('dataloader')} ray, whose planner actor plans for every rank; "
+                f"leave {flag_name('plan_mode')} at every_rank"
+            )
+        for name in ("scheduler", "plan_mode", "attention_backend", "overlong", "dkv_wire_dtype",
+                     "dataloader"):
             value = getattr(self, name)
             choices = _choices(_field_types()[name])
             if value not in choices:
@@ -207,6 +237,13 @@ class ByteScaleConfig:
             )
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"{flag_name('context_length')} must be positive")
+
+    def ray_loader_options(self) -> Any:
+        """The :class:`~megatron_bytescale.data.ray_loader.RayLoaderOptions` of these flags."""
+        from megatron_bytescale.data.ray_loader import RayLoaderOptions
+
+        return RayLoaderOptions(address=self.ray_address, num_readers=self.ray_readers,
+                                lookahead=self.ray_lookahead)
 
     @property
     def ring_attention_backend(self) -> Optional[str]:

@@ -239,6 +239,8 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
                     f"{layout.hdp_size} HDP ranks; raise the capacity, use more ranks or shorten "
                     "the context"
                 )
+            if config.dataloader == "ray":
+                reasons += _ray_refusals()
             max_positions = getattr(args, "max_position_embeddings", None)
             if max_positions is not None and context > max_positions:
                 reasons.append(
@@ -249,6 +251,17 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
     if reasons or config is None:
         raise RefusedArguments(reasons)
     return config
+
+
+def _ray_refusals() -> list[str]:
+    """``--bytescale-dataloader ray`` without Ray: say so before training starts."""
+    from megatron_bytescale.data.ray_loader import RayUnavailableError, check_ray_available
+
+    try:
+        check_ray_available()  # not imported: a joining rank must set Ray's environment first
+    except RayUnavailableError as exc:
+        return [str(exc)]
+    return []
 
 
 def _is_rank0(args: Any) -> bool:

@@ -24,6 +24,7 @@ each batch identically on every rank (DESIGN.md D7).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,6 +152,12 @@ def budget_batches(
                 meta={"source": source.name, "batch": step},
             )
         step += 1
+
+
+def budget_batches_from(start_step: int, **kwargs: Any) -> Iterator[GlobalBatch]:
+    """:func:`budget_batches` from global batch ``start_step`` on: the ``start_step -> batches``
+    source an ``HDPDataIterator`` seeks when it resumes."""
+    return budget_batches(skip_batches=start_step, **kwargs)
 
 
 def _batch_pieces(source: DocumentSource, visits: Iterator[DocumentVisit],
@@ -328,20 +335,25 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         if source is None:
             iterators.append(None)
             continue
-        batches = budget_batches(
-            source, tokens_per_batch=budgets[split_index], context_length=config.context_length,
-            seed=(int(args.seed), split_index), skip_batches=skips[split_index], weights=weights,
+        # a function of the start step: the iterator seeks it (HDPStep.index stays global)
+        batches = functools.partial(
+            budget_batches_from, source=source, tokens_per_batch=budgets[split_index],
+            context_length=config.context_length, seed=(int(args.seed), split_index),
+            weights=weights,
         )  # fmt: skip
         iterators.append(HDPDataIterator(
             batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
             check_plan_hash=config.check_plan_hash, device=device,
-            prefetch=config.plan_prefetch,
+            prefetch=config.plan_prefetch, start_step=skips[split_index],
+            dataloader=config.dataloader,
+            ray_options=config.ray_loader_options() if config.dataloader == "ray" else None,
         ))  # fmt: skip
         if split_index == 0 and manager.rank == 0:
             logger.info(
                 "ByteScale HDP: %d HDP ranks, capacity %d, context %d, scheduler %s, %d tokens "
-                "per global batch from %s", manager.size, config.capacity,
+                "per global batch from %s, %s loader", manager.size, config.capacity,
                 config.context_length, config.scheduler, tokens_per_batch, source.name,
+                config.dataloader,
             )  # fmt: skip
     return tuple(iterators)  # type: ignore[return-value]
 

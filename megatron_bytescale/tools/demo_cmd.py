@@ -102,6 +102,11 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
                 f"bytescale demo does not take --bytescale-{name}: it runs every mode named by "
                 f"{instead} (static, naive, balance) on the same batches"
             )
+    if config.dataloader != "local":
+        raise ValueError(
+            f"bytescale demo plans with the local loader; --bytescale-dataloader "
+            f"{config.dataloader} serves pretrain_gpt.py and your own loop (docs/megatron_lm.md)"
+        )
     if config.cost_model:
         from megatron_bytescale.planner.cost_model import CostModel
 

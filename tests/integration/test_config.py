@@ -34,6 +34,10 @@ EXPECTED_FLAGS = {
     "--no-bytescale-two-level-ring",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
+    "--bytescale-dataloader",
+    "--bytescale-ray-address",
+    "--bytescale-ray-readers",
+    "--bytescale-ray-lookahead",
 }
 
 
@@ -152,3 +156,18 @@ def test_the_host_memory_budget_reaches_the_planner():
         rings[budget] = plan.ring_sizes()[0]
         assert plan.estimate.extra["host_memory_bytes"] == (None if budget is None else budget * 1e9)
     assert rings == {None: 2, 1e-6: 3}
+
+
+def test_the_ray_loader_flags():
+    args = _parser().parse_args(["--bytescale-dataloader", "ray", "--bytescale-ray-address",
+                                 "auto", "--bytescale-ray-readers", "4",
+                                 "--bytescale-ray-lookahead", "3"])
+    options = ByteScaleConfig.from_args(args).ray_loader_options()
+    assert (options.address, options.num_readers, options.lookahead) == ("auto", 4, 3)
+    assert ByteScaleConfig.from_args(_parser().parse_args([])).dataloader == "local"
+    with pytest.raises(ValueError, match="--bytescale-ray-readers \\(0\\) must be >= 1"):
+        ByteScaleConfig(ray_readers=0)
+    with pytest.raises(ValueError, match="rank0_broadcast does not apply to --bytescale-dataloader ray"):
+        ByteScaleConfig(dataloader="ray", plan_mode="rank0_broadcast")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--bytescale-dataloader", "remote"])

@@ -128,6 +128,8 @@ def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path)
         settings_from_args(parser.parse_args(["--bytescale-scheduler", "naive"]))
     with pytest.raises(ValueError, match="--bytescale-cost-model.*missing.json"):
         settings_from_args(parser.parse_args(["--bytescale-cost-model", str(tmp_path / "missing.json")]))
+    with pytest.raises(ValueError, match="--bytescale-dataloader ray serves pretrain_gpt.py"):
+        settings_from_args(parser.parse_args(["--bytescale-dataloader", "ray"]))
     settings = settings_from_args(parser.parse_args(["--bytescale-plan-prefetch", "0"]))
     assert settings.plan_prefetch == 0
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_bytescale.testing.distributed import run_distributed
 
-from .hdp_cases import CONTEXT, GRAD_LENGTHS, SLEEP_S, TRAIN_STEPS, hdp_rank_body
+from .hdp_cases import CONTEXT, GRAD_LENGTHS, RESUME_AT, SLEEP_S, TRAIN_STEPS, hdp_rank_body
 
 TOLERANCE = 1e-5
 
@@ -96,6 +96,21 @@ def test_training_loss_falls_and_matches_static(results):
     assert max(abs(a - b) for a, b in zip(hdp, static)) <= 1e-4
     counts = [r["train"]["balance"]["micro_batch_counts"] for r in results]
     assert any(len({c[i] for c in counts}) > 1 for i in range(TRAIN_STEPS))
+
+
+def test_own_loop_resume_trains_steps_6_to_10_as_the_uninterrupted_run(results):
+    """Train 5 steps, save model + optimizer + ``iterator.state_dict()``, resume in a fresh
+    model and iterator: steps 6-10 have the uninterrupted run's plans, tokens and losses."""
+    for r in results:
+        resume, train = r["resume"], r["train"]["balance"]
+        assert resume["state"] == {"version": 1, "next_step": RESUME_AT}
+        steps = resume["steps"]
+        assert [s["index"] for s in steps] == list(range(RESUME_AT, RESUME_AT + 5))
+        assert [s["plan_hash"] for s in steps] == train["plan_hashes"][RESUME_AT:RESUME_AT + 5]
+        assert [s["tokens"] for s in steps] == r["resumed_reference_tokens"]
+        for s, expected in zip(steps, train["loss_sums"][RESUME_AT:]):
+            assert abs(s["loss_sum"] - expected) <= 1e-5 * max(1.0, abs(expected))
+    assert len(set(results[0]["train"]["balance"]["plan_hashes"])) == TRAIN_STEPS
 
 
 def test_ranks_wait_only_in_the_gradient_reduction(results):

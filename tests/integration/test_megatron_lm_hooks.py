@@ -491,6 +491,8 @@ def _resume_facts(args) -> dict[str, Any]:
         facts[name] = {
             "hash_moved": first.plan_hash != expected.plan_hash,
             "same_hash": resumed.plan_hash == expected.plan_hash,
+            # steps keep their global index, as an own-loop load_state_dict gives them
+            "global_index": resumed.index == expected.index == k,
             "same_lengths": batch_a.lengths == batch_b.lengths,
             "same_tokens": all(np.array_equal(batch_a.tokens_by_seq[i], batch_b.tokens_by_seq[i])
                                for i in range(len(batch_a.lengths))),
