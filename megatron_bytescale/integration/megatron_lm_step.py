@@ -126,8 +126,10 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
             [model], tokens if config.calculate_per_token_loss else None,
             force_all_reduce=force_all_reduce,
         )  # fmt: skip
+    offload = None
     if offloader is not None:  # the step's offload totals (also starts the next step's)
-        logger.debug("activation offload: %s", offloader.end_step().as_dict())
+        offload = offloader.end_step()
+        logger.debug("activation offload: %s", offload.as_dict())
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if not store:
@@ -135,7 +137,8 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     if not forward_only:  # the step's HDP metrics: Megatron's log line, TensorBoard, W&B
         from .megatron_lm_metrics import report_step_metrics
 
-        report_step_metrics(step, records, store, manager=manager, args=megatron_args())
+        report_step_metrics(step, records, store, manager=manager, args=megatron_args(),
+                            offload=offload)
     return store
 
 

@@ -238,15 +238,15 @@ def run_hdp_step(
             "lost or duplicated tokens"
         )
 
+    offload_stats = offloader.end_step() if offloader is not None else None  # no device read-back
     hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
         step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
-        group=manager.hdp.group))  # fmt: skip
+        group=manager.hdp.group, offload=offload_stats))  # fmt: skip
     loss_sum = (
         float(torch.stack([d["lm loss"][0] for d in forward_data_store]).sum())
         if forward_data_store
         else 0.0
     )
-    offload_stats = offloader.end_step() if offloader is not None else None  # no device read-back
     return StepRecord(
         step=step.index,
         hdp_rank=step.hdp_rank,

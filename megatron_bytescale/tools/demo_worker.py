@@ -355,7 +355,9 @@ class StepPrinter:
         if row.get("peak_saved_bytes"):
             line += f"  saved {max(row['peak_saved_bytes']) / 1e6:.1f} MB"
             if row["offloaded_bytes"]:
-                line += f" (offloaded {row['offloaded_bytes'] / 1e6:.1f} MB)"
+                wait_ms = max(row["reload_wait_s"] or [0.0]) * 1e3  # slowest rank
+                line += (f" (offloaded {row['offloaded_bytes'] / 1e6:.1f} MB, reload wait "
+                         f"{wait_ms:.1f} ms)")
         if self.bar:
             sys.stderr.write("\r\x1b[K")
         print(line, flush=True)
