@@ -83,7 +83,8 @@ def offload_checks(rank: int, manager: Any, sequences: list[list[int]], cost_mod
         info = {"offloaded_bytes": stats.offloaded_bytes, "reloaded_bytes": stats.reloaded_bytes,
                 "peak_resident_bytes": stats.peak_resident_bytes,
                 "on_demand_reloads": stats.on_demand_reloads,
-                "ratios": sorted({r.offload_ratio for r in record.micro_batches})}
+                "ratios": sorted({r.offload_ratio for r in record.micro_batches}),
+                "hdp": (record.hdp.offloaded_mb, record.hdp.peak_saved_mb)}
         if rank == 0:
             info["vs_no_offload"] = compare(with_grads, without_grads)
             info["vs_reference"] = compare(with_grads, reference)

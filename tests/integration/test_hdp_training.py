@@ -198,6 +198,11 @@ def test_offload_gives_the_gradients_of_the_run_without_it(results, ratio):
     assert (moved > 0) == (ratio > 0)
     assert all(i["offloaded_bytes"] == i["reloaded_bytes"] for i in info)
     assert all(i["on_demand_reloads"] == 0 for i in info), "reloads should start a layer ahead"
+    # the step's HDP metrics (Megatron's log line): all ranks' bytes, the largest rank's peak
+    peak = max(i["peak_resident_bytes"] for i in info)
+    for i in info:
+        assert i["hdp"][0] == pytest.approx(moved / 1e6, rel=1e-6)
+        assert i["hdp"][1] == pytest.approx(peak / 1e6, rel=1e-6)
 
 
 def test_offload_lowers_the_measured_peak_of_resident_saved_bytes(results):
