@@ -35,7 +35,7 @@ from .ring_attention import (
     verify_ring_layout,
 )
 from .ring_comm import RingComm
-from .ring_schedule import prepare_device_metadata
+from .ring_schedule import AttentionBlock, attention_block, prepare_device_metadata, take_rows
 from .ring_step import (
     DKV_WIRE_CHOICES,
     EmulatedRing,
@@ -50,6 +50,9 @@ from .ring_step import (
 from .two_level_ring import two_level_ring_attention
 
 __all__ = [
+    "AttentionBlock",
+    "attention_block",
+    "take_rows",
     "DKV_WIRE_CHOICES",
     "EmulatedRing",
     "RingForwardState",
