@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -71,9 +72,13 @@ class ByteScaleConfig:
 
     offload: bool = False
     """Selective activation offload (paper Eq. 3): plan long sequences on fewer ranks, each
-    holding more than C tokens and offloading part of its activations. Off by default: the
-    training path does not run an offload context yet, so such micro-batches would keep all
-    their activations on the device."""
+    holding more than C tokens, and park the planned share of every such micro-batch's saved
+    activations in host memory during its forward (reloaded one layer ahead in backward)."""
+
+    host_memory_gb: Optional[float] = None
+    """Host memory per HDP rank, in GB (10^9 bytes), that offloaded activations may fill: the
+    planner never picks an offload ratio that needs more (it uses a larger ring instead).
+    Default: the cost model's budget (unlimited unless the cost model JSON sets one)."""
 
     plan_mode: PlanMode = "every_rank"
     """Where the plan is computed: 'every_rank' plans deterministically on every rank (no
@@ -167,6 +172,13 @@ class ByteScaleConfig:
             raise ValueError(
                 f"{flag_name('context_length')} ({self.context_length}) must be a positive number "
                 "of tokens"
+            )
+        if self.host_memory_gb is not None and not (
+            math.isfinite(self.host_memory_gb) and self.host_memory_gb > 0
+        ):
+            raise ValueError(
+                f"{flag_name('host_memory_gb')} ({self.host_memory_gb}) must be a positive number "
+                "of GB (host memory per HDP rank for offloaded activations)"
             )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(

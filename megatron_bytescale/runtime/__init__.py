@@ -25,7 +25,7 @@ from .layout import (
     layout_for,
     make_attention_layout,
 )
-from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats
+from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats, offload_micro_batch
 from .online_softmax import merge_partial_attention
 from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens, two_level_p2p_bytes
 from .ring_attention import (
@@ -88,6 +88,7 @@ __all__ = [
     "layout_for",
     "make_attention_layout",
     "merge_partial_attention",
+    "offload_micro_batch",
     "plan_p2p_bytes",
     "ring_attention",
     "ring_attention_backward",

@@ -357,6 +357,11 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     except PlanMismatchError as exc:
         out["mismatch"] = str(exc)
     out["planning_failures"] = _planning_failures(good, sequences, manager, rank)
+
+    # -- 6. selective activation offload in training (offload_cases.py) ---------------------
+    from .offload_cases import OFFLOAD_LAYERS, offload_checks
+
+    out["offload"] = offload_checks(rank, manager, sequences, cm.with_(num_layers=OFFLOAD_LAYERS))
     return out
 
 

@@ -146,12 +146,14 @@ def fresh_model(config, reference, *, share_embeddings: bool = False, **wrap: An
 
 
 def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None,
-             wrap: dict[str, Any] | None = None, inspect=None):
+             wrap: dict[str, Any] | None = None, inspect=None, offload=None):
     """One HDP step of a fresh model with the reference weights; its record and errors.
 
     ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth;
-    ``wrap`` goes to ``wrap_for_hdp``; ``inspect(ddp)`` is called after the step.
+    ``wrap`` goes to ``wrap_for_hdp``; ``inspect(ddp)`` is called after the step;
+    ``offload`` (options of ``integration.activation_offloader``) runs it with an offloader.
     """
+    from megatron_bytescale.integration.offload import activation_offloader
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
@@ -163,7 +165,8 @@ def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=N
                                     cost_model=cost_model(), pp_size=manager.pp_size)
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
     grads = grab_grads_before_step(ddp, optimizer)
-    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    offloader = activation_offloader(ddp, **offload) if offload is not None else None
+    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager, offloader=offloader)
     if inspect is not None:
         inspect(ddp)
     return step, record, gradient_errors(ddp.module, grads, reference)
@@ -238,6 +241,15 @@ def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- PP 2 x HDP 2
 
 STRESS_PLANS = 30
+
+
+def with_offload_ratio(plan, ratio: float):
+    """``plan`` with every micro-batch offloading ``ratio`` of its activations."""
+    import dataclasses
+
+    ranks = tuple(dataclasses.replace(rp, micro_batches=tuple(
+        dataclasses.replace(mb, offload_ratio=ratio) for mb in rp.micro_batches)) for rp in plan.ranks)
+    return dataclasses.replace(plan, ranks=ranks).validate()
 
 
 def pipeline_plan(lengths: list[int], rows: list[list[tuple[str, int]]]):
@@ -341,10 +353,18 @@ def pp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "grad_errors": errors,
+            "offloaded_bytes": record.offload.offloaded_bytes if record.offload else 0,
         }
 
     # 1. PP-Balance: rings across both pipelines, different counts, lengths vary
     run("balance", sequences, reference, scheduler="balance")
+    # 1b. the same with activation offload: 1F1B keeps several forwards in flight, each with its
+    # own offload state (one layer per stage here, so no layer is kept resident)
+    balance = make_step_planner(two_rank_config(scheduler="balance"), hdp_size=2,
+                                cost_model=cost_model(), pp_size=2)
+    run("balance offload", sequences, reference, scheduler="balance",
+        planner=lambda lengths: with_offload_ratio(balance(lengths), 0.5),
+        offload={"keep_resident_layers": 0, "min_tensor_bytes": 0})
     # 2. pipeline 1 runs no micro-batch at all
     rows = [[("local", i) for i in range(len(idle_lengths))], []]
     idle_plan = pipeline_plan(idle_lengths, rows)

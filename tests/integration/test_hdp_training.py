@@ -182,3 +182,45 @@ def test_core_attention_refuses_what_the_ring_kernel_cannot_do(results):
     assert "causal attention only" in refusals["mask"]
     assert "takes no PackedSeqParams" in refusals["packed"]
     assert "no micro-batch bound" in refusals["unbound"]
+
+
+# -- selective activation offload (offload_cases.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_offload_gives_the_gradients_of_the_run_without_it(results, ratio):
+    """Rings of 3 and 2 and local packs, every micro-batch offloading ``ratio``."""
+    info = [r["offload"]["manual"][ratio] for r in results]
+    assert info[0]["vs_no_offload"] <= 1e-6
+    assert info[0]["vs_reference"] <= TOLERANCE
+    assert all(i["ratios"] == [ratio] for i in info)
+    moved = sum(i["offloaded_bytes"] for i in info)
+    assert (moved > 0) == (ratio > 0)
+    assert all(i["offloaded_bytes"] == i["reloaded_bytes"] for i in info)
+    assert all(i["on_demand_reloads"] == 0 for i in info), "reloads should start a layer ahead"
+    # the step's HDP metrics (Megatron's log line): all ranks' bytes, the largest rank's peak
+    peak = max(i["peak_resident_bytes"] for i in info)
+    for i in info:
+        assert i["hdp"][0] == pytest.approx(moved / 1e6, rel=1e-6)
+        assert i["hdp"][1] == pytest.approx(peak / 1e6, rel=1e-6)
+
+
+def test_offload_lowers_the_measured_peak_of_resident_saved_bytes(results):
+    for r in results:
+        peaks = [r["offload"]["manual"][ratio]["peak_resident_bytes"] for ratio in (0.0, 0.5, 1.0)]
+        assert peaks[0] > peaks[1] > peaks[2] > 0, peaks
+
+
+@pytest.mark.parametrize("scheduler", ["naive", "balance"])
+def test_a_plan_with_offload_uses_fewer_ranks_and_trains_with_reference_gradients(results, scheduler):
+    info = [r["offload"]["planned"][scheduler] for r in results]
+    rings = info[0]["ring_of_longest"]
+    assert rings[True] < rings[False], rings  # the 150-token sequence: 2 ranks instead of 3
+    assert sum(i["offloaded_bytes"] for i in info) > 0
+    assert info[0]["vs_reference"] <= TOLERANCE
+
+
+def test_the_host_pool_stops_growing_in_training(results):
+    for r in results:
+        pools = r["offload"]["planned"]["balance"]["pools"]
+        assert len(set(pools)) == 1, pools

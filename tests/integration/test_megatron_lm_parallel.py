@@ -8,8 +8,8 @@ core_v0.16.1 tree) and the CPU launcher of ``megatron_bytescale.testing.megatron
   additions they pass the patched ``validate_args`` (one process, no training), and so do the
   flags of ``scripts/pretrain_gpt_bytescale.sh``'s multi-node TP / PP example (``DRY_RUN=1``);
 * the patched ``pretrain_gpt.py`` trains three iterations on 4 CPU ranks as TP 2 x PP 2 with
-  sequence parallelism, and on 2 ranks as TP 1 / PP 1 x HDP 2, from the same checkpoint: the
-  losses agree step by step.
+  sequence parallelism, and on 2 ranks as TP 1 / PP 1 x HDP 2 with and without
+  ``--bytescale-offload``, from the same checkpoint: the losses agree step by step.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _said(result) -> str:
     return f"{result.message}\n{result.stderr}"
 
 
-PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+PRETRAIN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
             "--seq-length", "512", "--max-position-embeddings", "512",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
@@ -130,8 +130,8 @@ def _losses(stdout: str) -> list[float]:
 def parallel_runs(patched_megatron_lm, tmp_path_factory):
     """Megatron initialises weights differently for every TP / PP layout (per-stage seeds,
     per-rank shards), so the runs start from one checkpoint: 2 ranks (HDP 2) train one iteration
-    and save it; then HDP 2 alone and TP 2 x PP 2 with sequence parallelism (4 ranks, HDP 1)
-    load its weights (``--finetune``: fresh optimizer, iteration 0; Megatron's distributed
+    and save it; then HDP 2 alone, HDP 2 with activation offload and TP 2 x PP 2 with sequence
+    parallelism (4 ranks, HDP 1) load its weights (``--finetune``: fresh optimizer, iteration 0; Megatron's distributed
     checkpoint reshards them) and train three iterations on the same data. Their stdout by name.
     """
     workdir = tmp_path_factory.mktemp("pretrain-parallel")
@@ -141,6 +141,7 @@ def parallel_runs(patched_megatron_lm, tmp_path_factory):
     layouts = {
         "save": (2, ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"]),
         "hdp2": (2, ["--load", str(ckpt), "--finetune"]),
+        "hdp2 offload": (2, ["--load", str(ckpt), "--finetune", "--bytescale-offload"]),
         "tp2 pp2 sp": (4, ["--load", str(ckpt), "--finetune", "--tensor-model-parallel-size",
                            "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                            "--bytescale-capacity", "512"]),
@@ -169,6 +170,42 @@ def test_patched_pretrain_gpt_trains_with_tp_and_pp(parallel_runs):
     assert {int(r) for r, _ in checks} == {0, 1, 2, 3}, "every rank ran HDP steps"
     # every TP rank and stage of the one replica ran the same planned micro-batches
     assert len({n for _, n in checks[-4:]}) == 1
+
+
+def _summaries(stdout: str) -> list[dict[str, float]]:
+    """The ``[ByteScale HDP]`` line of every training step: largest ring, offload numbers."""
+    out = []
+    for line in re.findall(r"\[ByteScale HDP\] iteration .*", stdout):
+        rings = re.search(r"\| rings ([\dx ]+) \|", line).group(1).split()
+        offload = re.search(r"offloaded micro-batches (\d+)(?: \| offload ([\d.]+) MB, peak "
+                            r"saved ([\d.]+) MB)?", line)
+        out.append({"largest ring": max(int(r.split("x")[0]) for r in rings),
+                    "offloaded mbs": int(offload.group(1)),
+                    "offload MB": float(offload.group(2) or "nan"),
+                    "peak saved MB": float(offload.group(3) or "nan")})
+    return out
+
+
+def test_patched_pretrain_gpt_trains_with_activation_offload(parallel_runs):
+    """``--bytescale-offload`` through Megatron's own loop: documents longer than the capacity
+    go on fewer ranks with part of their activations in host memory (the bytes are in the
+    summary and Megatron's iteration line), and the losses equal the run without offload."""
+    base, run = _losses(parallel_runs["hdp2"]), _losses(parallel_runs["hdp2 offload"])
+    assert len(run) == 3
+    for a, b in zip(base, run):
+        assert abs(a - b) / abs(a) <= TOLERANCE, (base, run)
+    plain, offload = _summaries(parallel_runs["hdp2"]), _summaries(parallel_runs["hdp2 offload"])
+    assert len(plain) == len(offload) == 3
+    assert all(s["offloaded mbs"] == 0 and s["offload MB"] != s["offload MB"] for s in plain)
+    assert any(s["largest ring"] == 2 for s in plain)  # the data needs a ring without offload
+    assert any(s["offloaded mbs"] > 0 for s in offload)
+    for s in offload:  # measured bytes moved where micro-batches were planned with offload
+        assert (s["offload MB"] > 0) == (s["offloaded mbs"] > 0) and s["peak saved MB"] > 0
+    assert sum(s["largest ring"] for s in offload) < sum(s["largest ring"] for s in plain)
+    lines = [x for x in parallel_runs["hdp2 offload"].splitlines()
+             if re.search(r"\] iteration\s+\d+/", x)]
+    assert len(lines) == 3 and all("hdp offload MB: " in x and "hdp peak saved MB: " in x
+                                   for x in lines)
 
 
 def launcher_flags(tree: PatchedMegatronLM, **env: str) -> list[str]:

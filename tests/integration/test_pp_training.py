@@ -38,12 +38,14 @@ def test_rank_maps_come_from_megatrons_groups(results):
         assert len(m["hdp_ranks"]) == 2
 
 
-@pytest.mark.parametrize("run", ["balance", "idle pipeline", "balance overlap",
-                                 "idle pipeline overlap"])
+@pytest.mark.parametrize("run", ["balance", "balance offload", "idle pipeline",
+                                 "balance overlap", "idle pipeline overlap"])
 def test_pp2_hdp2_gradients_equal_pp1(results, run):
     info = [r["runs"][run] for r in results]
     assert all(i["pp_size"] == 2 for i in info)
     counts = info[0]["micro_batch_counts"]
+    if run == "balance offload":
+        assert all(i["offloaded_bytes"] > 0 for i in info), "every stage offloads"
     if run.startswith("balance"):
         assert info[0]["ring_sizes"] == [1, 2], "rings span both pipelines"
         assert counts[0] != counts[1], "pipelines run different numbers of micro-batches"
