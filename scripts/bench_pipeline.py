@@ -23,7 +23,9 @@ Part 2, estimated (planner only): LLaMA-70B (TP 8, PP 4, H100-class cost model) 
 32M-token Byted-like batch at 2M context, C = 8,192, on 1,024 ranks counted without TP (256
 pipelines x 4 stages; 8,192 GPUs with TP 8, the paper's 70B scale) and on 1,024 pipelines:
 step time, the lower bound (stage work / pipelines), the critical path, a 1F1B model of each
-plan, idle shares, and why PP-Balance stays above the lower bound.
+plan, idle shares, and why PP-Balance stays above the lower bound. Then PP-Balance on the
+LLaMA-7B cases of ``tests/planner/test_planner_balance_scale.py`` (64-1,024 pipelines, PP 2 and
+4) against that test's bound and against each plan's 1F1B fill-and-drain level.
 
 Writes section ``pipeline`` of docs/benchmarks.md.
 
@@ -322,6 +324,89 @@ def planner_table() -> tuple[str, dict[str, Any]]:
     return markdown_table(headers, rows), found
 
 
+# the PP cases of tests/planner/test_planner_balance_scale.py: (batch, pipelines, PP)
+SCALE_CASES = (("github", 1024, 2), ("github", 1024, 4), ("byted", 1024, 2), ("byted", 1024, 4),
+               ("byted", 256, 2), ("github", 256, 4), ("github", 64, 2), ("byted", 64, 4))
+
+
+def fastest_alone(cost_model, length: int, pipelines: int, layers: int, align: int) -> float:
+    """Stage time of one sequence alone on its fastest ring of any size (1..pipelines)."""
+    return min(cost_model.micro_batch_time([length], d, layers=layers, align=align,
+                                           intra_node=d <= cost_model.ranks_per_node)
+               for d in range(1, pipelines + 1))  # fmt: skip
+
+
+def scale_table() -> tuple[str, list[dict[str, Any]]]:
+    """PP-Balance on LLaMA-7B, 32M-token batches, against the bound of the scale test and
+    against the 1F1B fill-and-drain level of each plan."""
+    from megatron_bytescale.data.synthetic import synthetic_lengths
+    from megatron_bytescale.planner.estimate import micro_batch_costs
+    from megatron_bytescale.planner.presets import preset_cost_model
+    from megatron_bytescale.planner.schedulers import make_plan
+
+    cost_model = preset_cost_model("llama-7b")
+    rows, found = [], []
+    for dataset, pipelines, pp in SCALE_CASES:
+        lengths = synthetic_lengths(dataset, 32 * 2**20, seed=0, max_length=2 * 2**20)
+        plan = make_plan(lengths, scheduler="balance", hdp_size=pipelines, capacity=8192,
+                         cost_model=cost_model, context_length=2 * 2**20, offload=True,
+                         pp_size=pp)
+        costs = micro_batch_costs(plan, cost_model)
+        stage_s = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+        per_pipeline = [(sum(stage_s[mb.order] for mb in rp.micro_batches),
+                         max((stage_s[mb.order] for mb in rp.micro_batches), default=0.0))
+                        for rp in plan.ranks]  # fmt: skip
+        work = plan.estimate.extra["lower_bound_s"]
+        longest = sorted((x.length for x in plan.sequences), reverse=True)[:3]
+        critical = pp * max(fastest_alone(cost_model, n, pipelines, plan.layers_per_stage,
+                                          plan.align) for n in longest)  # fmt: skip
+        level = sum(w + (pp - 1) * m for w, m in per_pipeline) / pipelines
+        step = plan.estimate.step_time_s
+        bound, fill_bound = max(work, critical), max(level, critical)
+        slowest = max(range(pipelines), key=lambda i: per_pipeline[i][0]
+                      + (pp - 1) * per_pipeline[i][1])
+        found.append(dict(case=(dataset, pipelines, pp), step=step, bound=bound,
+                          fill_bound=fill_bound, slowest=[
+                              (mb.ring_size, stage_s[mb.order])
+                              for mb in plan.ranks[slowest].micro_batches]))
+        rows.append([dataset, f"{pipelines:,} x {pp}", f"{step:.1f}", f"{work:.1f}",
+                     f"{critical:.1f}", f"{step / bound:.2f}", f"{level:.1f}",
+                     f"{step / fill_bound:.2f}", plan.meta["assignment"]])
+    headers = ["batch", "pipelines x PP", "step (s)", "work bound (s)",
+               "PP x critical path (s)", "step / max(work, critical)",
+               "1F1B fill-and-drain level (s)", "step / max(level, critical)", "assignment"]
+    return markdown_table(headers, rows), found
+
+
+def scale_explanation(found: list[dict[str, Any]]) -> str:
+    """What the scale test's bound leaves out, with this run's numbers."""
+    met = [f for f in found if f["step"] <= 1.1 * f["bound"]]
+    ratios = [f["step"] / f["fill_bound"] for f in found]
+    worst = max(found, key=lambda f: f["step"] / f["fill_bound"])
+    dataset, pipelines, pp = worst["case"]
+    parts = " + ".join(f"{t:.1f} s (ring of {d})" for d, t in worst["slowest"])
+    return (
+        "`tests/planner/test_planner_balance_scale.py` holds PP-Balance to 1.1x of max(work "
+        "bound, PP x critical path); "
+        f"{len(met)} of {len(found)} cases meet it and the others are strict expected failures. "
+        "That bound leaves out what 1F1B itself costs: while a micro-batch of stage time t "
+        "crosses the other PP - 1 stages forward and back, a stage runs only the few "
+        "micro-batches in flight, so every pipeline of a long ring idles about (PP - 1) x t. "
+        "The level column spreads each pipeline's stage work + (PP - 1) x its longest "
+        "micro-batch evenly over all pipelines (for this plan's rings: a level to compare with, "
+        "not a bound on every plan); PP-Balance is within "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x of max(level, PP x critical path). PP-Balance "
+        "loads pipelines two ways, by stage work alone (`pp-runs`) and by stage work + (PP - 1) "
+        "x longest micro-batch (`pp-runs-1f1b`), and keeps the faster by the 1F1B estimate (with "
+        "Eq. 3's unwidened units and Alg. 1's aligned `fill` as further candidates). What "
+        f"remains above the level is granularity: on {dataset} at {pipelines:,} x {pp} the "
+        f"slowest pipeline runs {parts} per stage: rings are placed whole, one after the "
+        "other, and a medium ring can land on a pipeline of a long one. Closing the gap to the test's bound needs long sequences split along the "
+        "pipeline (Seq1F1B-style chunks as successive micro-batches) or more in-flight "
+        "micro-batches than 1F1B allows; the paper does neither."
+    )
+
+
 def explanation(found: dict[Any, dict[str, Any]]) -> str:
     """Why PP-Balance sits well above the lower bound at 1,024 ranks (256 pipelines x PP 4)."""
     b = found[(256, "balance")]
@@ -371,6 +456,8 @@ def main() -> None:
     print("part 2: planner estimates, LLaMA-70B PP 4 ...", flush=True)
     table2, found = planner_table()
     print(table2)
+    scale_rows, scale_found = scale_table()
+    print(scale_rows)
     load_after = Path("/proc/loadavg").read_text().split()[0]
     plotted = plot_timelines(results, IMG_DIR / "pipeline.png") if not args.no_write else False
     s = settings(args.steps)
@@ -417,6 +504,12 @@ def main() -> None:
             for p in (256, 1024)) + ".",
         "",
         explanation(found),
+        "",
+        "### PP-Balance at scale: LLaMA-7B, 32M-token batches, 2M context, C = 8,192 (estimated)",
+        "",
+        scale_rows,
+        "",
+        scale_explanation(scale_found),
     ])
     if args.no_write:
         print(body)

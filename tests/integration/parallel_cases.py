@@ -134,32 +134,38 @@ def gradient_errors(model, grads: dict[str, torch.Tensor], reference) -> dict[st
     return out
 
 
-def fresh_model(config, reference, *, share_embeddings: bool = False):
-    """This rank's shard / stage of a model with the reference weights, in DDP + optimizer."""
+def fresh_model(config, reference, *, share_embeddings: bool = False, **wrap: Any):
+    """This rank's shard / stage of a model with the reference weights, in DDP + optimizer
+    (``wrap``: more arguments of ``wrap_for_hdp``)."""
     from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
 
     model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT,
                             share_embeddings_and_output_weights=share_embeddings)
     load_reference_weights(model, reference["state"])
-    return wrap_for_hdp(model, lr=1e-3)
+    return wrap_for_hdp(model, lr=1e-3, **wrap)
 
 
-def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None):
+def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None,
+             wrap: dict[str, Any] | None = None, inspect=None):
     """One HDP step of a fresh model with the reference weights; its record and errors.
 
-    ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth.
+    ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth;
+    ``wrap`` goes to ``wrap_for_hdp``; ``inspect(ddp)`` is called after the step.
     """
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
 
-    ddp, optimizer = fresh_model(config, reference, share_embeddings=manager.pp_size > 1)
+    ddp, optimizer = fresh_model(config, reference, share_embeddings=manager.pp_size > 1,
+                                 **(wrap or {}))
     if planner is None:
         planner = make_step_planner(two_rank_config(scheduler=scheduler), hdp_size=manager.size,
                                     cost_model=cost_model(), pp_size=manager.pp_size)
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
     grads = grab_grads_before_step(ddp, optimizer)
     record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    if inspect is not None:
+        inspect(ddp)
     return step, record, gradient_errors(ddp.module, grads, reference)
 
 
@@ -318,8 +324,17 @@ def pp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     out["runs"] = {}
 
     def run(name: str, batch, ref, **kwargs) -> None:
-        step, record, errors = hdp_step(config, ref, batch, manager=manager, **kwargs)
+        sync: dict[str, int] = {}
+
+        def inspect(ddp) -> None:  # with overlap: bucket groups of this stage, and how many ran
+            gate = getattr(ddp, "_bytescale_ordered_grad_sync", None)
+            if gate is not None:
+                sync.update(bucket_groups=len(gate.groups), issued=gate.issued)
+
+        step, record, errors = hdp_step(config, ref, batch, manager=manager, inspect=inspect,
+                                        **kwargs)
         out["runs"][name] = {
+            "grad_sync": sync,
             "ring_sizes": sorted(set(step.plan.ring_sizes())),
             "micro_batch_counts": step.plan.micro_batch_counts(),
             "pp_size": step.plan.pp_size,
@@ -335,6 +350,12 @@ def pp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     idle_plan = pipeline_plan(idle_lengths, rows)
     run("idle pipeline", idle_sequences, idle_reference, scheduler="manual",
         planner=lambda _: idle_plan)
+    # 1-2 with overlapped gradient reduction (--overlap-grad-reduce): small buckets give each
+    # stage several bucket groups, issued in one order by both pipelines, the idle one included
+    overlap = dict(overlap_grad_reduce=True, bucket_size=2000)
+    run("balance overlap", sequences, reference, scheduler="balance", wrap=overlap)
+    run("idle pipeline overlap", idle_sequences, idle_reference, scheduler="manual",
+        planner=lambda _: idle_plan, wrap=overlap)
     # 3. a plan made for PP = 1 is refused before anything runs
     flat = make_step_planner(two_rank_config(), hdp_size=2, cost_model=cost_model(), pp_size=1)
     ddp, optimizer = fresh_model(config, reference, share_embeddings=True)
