@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "plan": ("megatron_bytescale.tools.plan_cmd", "Plan a global batch over HDP ranks and compare schedulers."),
     "simulate": ("megatron_bytescale.tools.simulate_cmd", "Simulate training steps of static, pow2 and HDP variants side by side, at any scale."),
     "demo": ("megatron_bytescale.tools.demo_cmd", "Train a small GPT on CPU: static DP x CP vs HDP naive vs HDP balance."),
+    "profile": ("megatron_bytescale.tools.profile_cmd", "Measure a model on this machine and fit the planner's cost model."),
 }
 
 

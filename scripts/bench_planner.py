@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the HDP planner; writes section ``planner`` of docs/benchmarks.md.
 
-What it measures (issue #2):
+What it measures:
 
 1. Planning latency of every scheduler (``make_plan`` including the estimate, median of
    ``--repeats`` runs, wall and CPU time) for 64, 1,024 and 16,384 HDP ranks on 32M-token
@@ -177,7 +177,7 @@ def main() -> int:
         [[f"{int(r['length']) // 1024}K", f"{r['attention_ms']:.2f}", f"{r['paper_attention_ms']}",
           f"{r['mlp_ms']:.2f}", f"{r['paper_mlp_ms']}"] for r in fig6a_comparison(tensor_parallel_size=8)])
 
-    body = f"""## Planner (issue #2)
+    body = f"""## Planner
 
 `scripts/bench_planner.py` ({args.repeats} runs per cell, median). {machine_line()}
 Load average {load_before:.1f} before / {load_after:.1f} after (the machine is shared; wall times

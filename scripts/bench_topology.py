@@ -118,7 +118,7 @@ def main() -> int:
                          f"{(ratio - 1) * 100:+.1f} %"])
     latency = markdown_table(["batch", "HDP ranks", "load only (ms CPU)", "topology (ms CPU)", "extra"], lat_rows)
     worst_step = max(float(r[-1]) for r in rows if r[-1])
-    body = f"""## Topology: rings inside nodes, inter-node bytes (issue #13)
+    body = f"""## Topology: rings inside nodes, inter-node bytes
 
 `scripts/bench_topology.py --repeats {args.repeats}`. {machine_line()}
 

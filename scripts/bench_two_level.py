@@ -137,7 +137,7 @@ def main() -> int:
         ["batch", "HDP ranks", "step flat (s)", "step two-level (s)", "speedup", "lower bound (s) flat / 2-lvl",
          "critical path (s) flat / 2-lvl", "largest ring flat / 2-lvl", "sizing kept", "inter-node TiB flat / 2-lvl",
          "P2P TiB flat / 2-lvl"], step_rows)
-    body = f"""## Two-level ring: flat vs all-gather vs head-split (issue #13)
+    body = f"""## Two-level ring: flat vs all-gather vs head-split
 
 `scripts/bench_two_level.py` ({time.perf_counter() - t0:.0f} s). {machine_line()} Planner cost
 model `{cm.name}` (8 GPUs per node, NVLink {cm.p2p_bandwidth_intra / 1e9:.0f} GB/s, network

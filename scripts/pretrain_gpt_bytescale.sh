@@ -1,7 +1,8 @@
 #!/bin/bash
 
-# Runs a ~1.3B-parameter GPT with ByteScale Hybrid Data Parallelism (HDP) on one 8-GPU node,
-# in the style of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh.
+# Runs a ~1.3B-parameter GPT with ByteScale Hybrid Data Parallelism (HDP) on one 8-GPU node
+# (or, with the variables below, on several nodes with tensor and pipeline parallelism), in the
+# style of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh.
 #
 # Needs: a Megatron-LM checkout at tag core_v0.16.1 patched with
 #   bash scripts/apply_megatron_patches.sh /path/to/Megatron-LM
@@ -9,6 +10,19 @@
 #
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM bash scripts/pretrain_gpt_bytescale.sh \
 #       CHECKPOINT_PATH TENSORBOARD_LOGS_PATH VOCAB_FILE MERGE_FILE DATA_PATH [extra flags...]
+#
+# Several nodes, TP and PP: run the same command on every node, e.g. 4 nodes x 8 GPUs with
+# TP 4 (and sequence parallelism) x PP 2 = 4 HDP ranks (model replicas):
+#
+#   NUM_NODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0> TP_SIZE=4 PP_SIZE=2 \
+#       MEGATRON_LM_DIR=/path/to/Megatron-LM bash scripts/pretrain_gpt_bytescale.sh ...
+#
+# WORLD_SIZE = NUM_NODES x GPUS_PER_NODE = TP x PP x HDP ranks. Every TP rank and pipeline stage
+# of a replica runs the same planned micro-batches; a long document's ring joins the replicas
+# it needs (each TP rank with its peers of the same TP rank, on its own heads), and under PP
+# every pipeline runs its own micro-batch count in 1F1B order (PP-Balance plans them).
+# --bytescale-capacity stays the tokens one replica holds per micro-batch; with sequence
+# parallelism each TP rank keeps 1/TP of their activations. --num-layers must divide by PP.
 #
 # DATA_PATH is a Megatron indexed-dataset prefix (<prefix>.bin/.idx, e.g. my_text_document),
 # or "mock" for synthetic long-tailed documents. Extra flags are appended last, so they
@@ -34,6 +48,13 @@ MASTER_PORT=${MASTER_PORT:-6000}
 NUM_NODES=${NUM_NODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 WORLD_SIZE=$(($GPUS_PER_NODE*$NUM_NODES))
+TP_SIZE=${TP_SIZE:-1}                  # tensor parallelism (Megatron's; sequence parallel with it)
+PP_SIZE=${PP_SIZE:-1}                  # pipeline stages (Megatron's 1F1B; no virtual stages)
+if (( WORLD_SIZE % (TP_SIZE * PP_SIZE) )); then
+    echo "pretrain_gpt_bytescale.sh: NUM_NODES x GPUS_PER_NODE = $WORLD_SIZE is not divisible by" \
+         "TP_SIZE x PP_SIZE = $((TP_SIZE * PP_SIZE))" >&2
+    exit 2
+fi
 
 MEGATRON_LM_DIR=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to the patched Megatron-LM checkout}
 
@@ -90,11 +111,14 @@ TRAINING_ARGS=(
 )
 
 MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
-    --pipeline-model-parallel-size 1
+    --tensor-model-parallel-size $TP_SIZE
+    --pipeline-model-parallel-size $PP_SIZE
     --context-parallel-size 1          # HDP replaces static context parallelism
-    --use-distributed-optimizer        # ZeRO-1 over the HDP group
+    --use-distributed-optimizer        # ZeRO-1 over the HDP group (world / TP / PP ranks)
 )
+if (( TP_SIZE > 1 )); then
+    MODEL_PARALLEL_ARGS+=(--sequence-parallel)
+fi
 
 BYTESCALE_ARGS=(
     --bytescale-hdp

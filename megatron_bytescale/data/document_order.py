@@ -77,6 +77,7 @@ def document_visits(
     weights: Optional[Sequence[float]] = None,
     shuffle: bool = True,
     min_tokens: int = 1,
+    start: tuple[int, int] = (0, 0),
 ) -> Iterator[DocumentVisit]:
     """Endless document visits over ``lengths`` (see the module docstring).
 
@@ -90,6 +91,9 @@ def document_visits(
             contributes in proportion to its size, as an unweighted Megatron blend does).
         min_tokens: a dataset without any document of at least this many tokens is left out
             of a weighted blend (it could never add tokens to its share).
+        start: ``(epoch, index)``: begin at the ``index``-th document of ``epoch``'s order
+            (resuming; :mod:`.batch_seek` finds it). Unweighted only: a blend's choice
+            depends on every visit before it.
 
     Raises:
         ValueError: no document (of a weighted dataset) has ``min_tokens`` tokens, or the
@@ -103,8 +107,10 @@ def document_visits(
     if not np.any(lengths >= min_tokens):
         raise ValueError(f"no document has at least {min_tokens} tokens")
     if weights is None:
-        yield from _pool_visits(lengths, bounds, seed, shuffle)
+        yield from _pool_visits(lengths, bounds, seed, shuffle, *start)
         return
+    if tuple(start) != (0, 0):
+        raise ValueError(f"start {tuple(start)}: a weighted blend starts at (0, 0)")
     if len(weights) != len(bounds) - 1:
         raise ValueError(f"{len(weights)} blend weight(s) for {len(bounds) - 1} dataset(s)")
     shares = normalized_weights(weights)
@@ -125,14 +131,14 @@ def document_visits(
 
 
 def _pool_visits(lengths: np.ndarray, bounds: list[int], seed: Sequence[int],
-                 shuffle: bool) -> Iterator[DocumentVisit]:
-    epoch = 0
+                 shuffle: bool, epoch: int = 0, index: int = 0) -> Iterator[DocumentVisit]:
     while True:
-        for doc in epoch_order(len(lengths), seed=seed, epoch=epoch, shuffle=shuffle):
+        order = epoch_order(len(lengths), seed=seed, epoch=epoch, shuffle=shuffle)
+        for doc in order[index:]:
             doc = int(doc)
             dataset = int(np.searchsorted(bounds, doc, side="right")) - 1
             yield DocumentVisit(doc=doc, dataset=dataset, epoch=epoch)
-        epoch += 1
+        epoch, index = epoch + 1, 0
 
 
 def _dataset_visits(lengths: np.ndarray, bounds: list[int], k: int, seed: Sequence[int],

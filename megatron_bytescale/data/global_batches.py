@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .hdp_iterator import GlobalBatch
+from .batch import GlobalBatch
 
 
 def split_to_context(document: np.ndarray, context_length: int) -> list[np.ndarray]:

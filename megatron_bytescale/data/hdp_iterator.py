@@ -37,14 +37,33 @@ the current step trains, from length metadata only; the step then only waits for
 is not ready yet (``HDPStep.plan_wait_s``). ``rank0_broadcast`` plans in the main thread,
 because its broadcast is a collective that must not interleave with the training's own.
 
+Loaders (``dataloader``): ``"local"`` reads and plans on each rank as above; ``"ray"`` is
+ByteScale's remote loader (:mod:`.ray_loader`): reader actors run the source, one planner actor
+plans every step ahead for all ranks, and each rank fetches the plan and only its own
+micro-batches' tokens (``HDPStep.global_batch.tokens_by_seq`` then holds only those). Same
+plans and tokens; the retry, resume and timeout rules above hold for both.
+
 Sources: anything iterable that yields :class:`GlobalBatch` objects or plain lists of token
-sequences (sequence id = index). Token access goes through ``GlobalBatch.tokens_by_seq``, a
-mapping, so a source backed by a Megatron indexed dataset can hand in a lazy mapping that
-reads only the sequences this rank's pieces touch.
+sequences (sequence id = index), or a function ``start_step -> iterable`` that yields the
+batches from global step ``start_step`` on. Token access goes through
+``GlobalBatch.tokens_by_seq``, a mapping, so a source backed by a Megatron indexed dataset can
+hand in a lazy mapping that reads only the sequences this rank's pieces touch.
+
+Resuming (checkpoints): steps carry their *global* index (``HDPStep.index``), and
+:meth:`HDPDataIterator.state_dict` is ``{"next_step": k}``, the number of steps handed to the
+training loop so far. Batches read or planned ahead in the background, or a batch whose
+planning failed, are not counted: they were never trained, so a resumed iterator reads them
+again. :meth:`~HDPDataIterator.load_state_dict` (or ``start_step=k``) positions the source at
+step k: a function source is called with k (cheap when it can seek, e.g. by walking document
+lengths as :func:`~megatron_bytescale.integration.megatron_lm_data.budget_batches` does); an
+iterable is read from its start and its first k batches are dropped. Megatron-LM's
+``--load`` resumes through the same ``start_step`` (the steps that the checkpoint's
+``consumed_train_samples`` add up to), so both paths agree on the step index.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -52,7 +71,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,16 +79,21 @@ import torch.distributed as dist
 from megatron_bytescale.planner.order import check_deadlock_free
 from megatron_bytescale.planner.plan import MicroBatch, StepPlan
 
+from .batch import GlobalBatch, TokenSequence
+from .batch_sources import BatchSource, checked_step, is_one_shot, open_source, ray_source
 from .plan_worker import PlanWorker
 
 if TYPE_CHECKING:
     from megatron_bytescale.runtime import HDPGroup, MicroBatchTensors
 
+    from .ray_loader import RayLoader, RayLoaderOptions
+
 logger = logging.getLogger(__name__)
 
 PlanMode = Literal["every_rank", "rank0_broadcast"]
 Planner = Callable[[list[int]], StepPlan]
-TokenSequence = Union[Sequence[int], torch.Tensor, Any]  # list, tensor or numpy array
+Loader = Literal["local", "ray"]
+STATE_VERSION = 1
 
 
 DEFAULT_PLAN_TIMEOUT_S = 600.0
@@ -86,25 +110,6 @@ class PlanningError(RuntimeError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GlobalBatch:
-    """One global batch: sequence ``i`` has ``lengths[i]`` tokens, ``tokens_by_seq[i]``."""
-
-    lengths: tuple[int, ...]
-    tokens_by_seq: Mapping[int, TokenSequence] | Sequence[TokenSequence]
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_sequences(cls, sequences: Sequence[TokenSequence], **meta: Any) -> "GlobalBatch":
-        """A global batch of in-memory token sequences."""
-        seqs = list(sequences)
-        return cls(lengths=tuple(len(s) for s in seqs), tokens_by_seq=seqs, meta=meta)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.lengths)
-
-
-@dataclass(frozen=True, kw_only=True)
 class HDPStep:
     """One planned training step as this HDP rank sees it."""
 
@@ -113,6 +118,8 @@ class HDPStep:
     plan_hash: str
     hdp_rank: int
     global_batch: GlobalBatch
+    """The step's global batch. With the Ray loader its ``tokens_by_seq`` holds only the
+    tokens this rank's micro-batches read (a ``RankTokens``)."""
     global_loss_tokens: int
     _build: Callable[[int], "MicroBatchTensors"] = field(repr=False)
     plan_s: float = 0.0
@@ -154,8 +161,10 @@ class HDPDataIterator:
     """Plans each global batch of ``source`` and yields this rank's :class:`HDPStep`.
 
     Args:
-        source: yields :class:`GlobalBatch` objects or lists of token sequences; every rank
-            must see the same global batches (the same deterministic source on every rank).
+        source: yields :class:`GlobalBatch` objects or lists of token sequences from step 0,
+            or is a function ``start_step -> iterable`` of them from step ``start_step`` on;
+            every rank must see the same global batches (the same deterministic source on
+            every rank).
         planner: ``lengths -> StepPlan`` (e.g. a configured ``planner.schedulers.make_plan``).
         hdp: the runtime's ``HDPGroup`` (Megatron's data-parallel group under HDP).
         plan_mode: ``"every_rank"`` or ``"rank0_broadcast"`` (see the module docstring).
@@ -169,11 +178,16 @@ class HDPDataIterator:
             which covers the TP ranks and pipeline stages of every model replica.
         plan_timeout_s: the longest the training thread waits for a background plan (reading
             the global batch included) before raising ``TimeoutError``; None waits forever.
+        start_step: global index of the first step (resuming after ``start_step`` trained
+            steps; see the module docstring). Same as ``load_state_dict({"next_step": k})``.
+        dataloader: ``"local"`` or ``"ray"`` (the remote loader; the source must then be a
+            function ``start_step -> iterable`` that pickles, or a list).
+        ray_options: settings of the Ray loader (:class:`~.ray_loader.RayLoaderOptions`).
     """
 
     def __init__(
         self,
-        source: Iterable[GlobalBatch | Sequence[TokenSequence]],
+        source: BatchSource,
         *,
         planner: Planner,
         hdp: "HDPGroup",
@@ -183,7 +197,19 @@ class HDPDataIterator:
         prefetch: int = 1,
         plan_group: Optional[dist.ProcessGroup] = None,
         plan_timeout_s: Optional[float] = DEFAULT_PLAN_TIMEOUT_S,
+        start_step: int = 0,
+        dataloader: Loader = "local",
+        ray_options: Optional["RayLoaderOptions"] = None,
     ) -> None:
+        if dataloader not in ("local", "ray"):
+            raise ValueError(f"dataloader ({dataloader!r}) must be 'local' or 'ray'")
+        if dataloader == "ray":
+            source = ray_source(source)
+            if plan_mode != "every_rank":
+                raise ValueError(
+                    f"plan_mode {plan_mode!r} does not apply to the Ray loader, whose one "
+                    "planner actor plans for every rank; use plan_mode 'every_rank'"
+                )
         if plan_mode not in ("every_rank", "rank0_broadcast"):
             raise ValueError(f"plan_mode ({plan_mode!r}) must be 'every_rank' or 'rank0_broadcast'")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -192,21 +218,78 @@ class HDPDataIterator:
             isinstance(plan_timeout_s, (int, float)) and plan_timeout_s > 0
         ):
             raise ValueError(f"plan_timeout_s ({plan_timeout_s!r}) must be > 0 seconds or None")
-        self._source = iter(source)
+        self._origin = source
+        self._source: Iterator[Any] = iter(())
         self._planner = planner
         self.hdp = hdp
         self.plan_mode = plan_mode
         self.check_plan_hash = check_plan_hash
         self.device = device if device is not None else hdp.device
         self._step = 0
+        self._started = False  # the source has been read from (a one-shot one cannot rewind)
         self.plan_group = plan_group
         background = plan_mode == "every_rank" or _group_size(self._agreement_group()) == 1
         self.prefetch = prefetch if background else 0
         self.plan_timeout_s = plan_timeout_s
         self._worker: PlanWorker | None = None
         self._pending: deque[Future] = deque()
-        self._retry: GlobalBatch | None = None  # a batch whose planning failed: planned next
+        self._retry: Any = None  # what failed to become a step: planned again next
+        self.dataloader = dataloader
+        self.ray_options = ray_options
+        self._remote: Optional["RayLoader"] = None
+        self._fetch_next = 0  # the Ray loader's next step to ask for
         self._broken: BaseException | None = None  # the source failed or planning timed out
+        self._seek(checked_step(start_step, "start_step"))
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint needs to resume this iterator: ``{"next_step": k, "version": 1}``.
+
+        ``k`` counts the steps handed out by ``next()`` (save it after the step's optimizer
+        step, with the model). Prefetched batches and a batch whose planning failed are not
+        in it: a resumed iterator reads them again, so none is lost or trained twice.
+        """
+        return {"version": STATE_VERSION, "next_step": self._step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at step ``state["next_step"]`` (from :meth:`state_dict`).
+
+        Call it before the first ``next()`` (any source), or at any time when the source is a
+        function or a re-iterable collection (a list): batches already read or planned ahead
+        are dropped and the source is positioned anew.
+
+        Raises:
+            ValueError: ``state`` is not a state of this iterator, or the source is a one-shot
+                iterator that has already been read.
+        """
+        if not isinstance(state, Mapping) or "next_step" not in state:
+            raise ValueError(
+                f"load_state_dict: expected the dict of HDPDataIterator.state_dict() "
+                f"({{'version': {STATE_VERSION}, 'next_step': k}}), got {state!r}"
+            )
+        if state.get("version", STATE_VERSION) != STATE_VERSION:
+            raise ValueError(
+                f"load_state_dict: state version {state.get('version')!r}; this iterator "
+                f"reads version {STATE_VERSION}"
+            )
+        step = checked_step(state["next_step"], "next_step")
+        if self._started and is_one_shot(self._origin):
+            raise ValueError(
+                "load_state_dict: the source is a one-shot iterator (a generator?) that has "
+                "already been read, so it cannot go back to step "
+                f"{step}; build a new HDPDataIterator on a fresh source and call "
+                "load_state_dict before its first next(), or pass a function "
+                "start_step -> iterable as the source"
+            )
+        self.close()
+        self._retry, self._broken = None, None
+        self._seek(step)
+
+    def _seek(self, step: int) -> None:
+        """Position the source so that its next batch is global step ``step``."""
+        self._fetch_next = step
+        if self.dataloader == "local":  # (the Ray loader's readers seek the source themselves)
+            self._source = open_source(self._origin, step)
+        self._step = step
 
     def __iter__(self) -> "HDPDataIterator":
         return self
@@ -220,23 +303,22 @@ class HDPDataIterator:
         if planned is None:
             self.close()
             raise StopIteration
-        batch, plan, plan_s, error = planned
-        if error is not None:
-            self._retry = batch  # the next call plans this batch again: nothing is skipped
-            self._report_failure(error)
-            raise error
+        batch, plan, plan_s, plan_hash = planned.batch, planned.plan, planned.plan_s, planned.hash
+        if planned.error is not None:
+            self._retry = planned.retry  # the next call plans this batch again: nothing is skipped
+            self._report_failure(planned.error)
+            raise planned.error
         if plan.hdp_size != self.hdp.size:
-            self._retry = batch
+            self._retry = planned.retry
             raise ValueError(
                 f"the planner made a plan for {plan.hdp_size} HDP ranks, the HDP group has "
                 f"{self.hdp.size}"
             )
-        plan_hash = plan.content_hash()
         if self.check_plan_hash:
             try:
                 check_plan_hashes(plan_hash, self._agreement_group(), step=self._step)
             except (PlanMismatchError, PlanningError):
-                self._retry = batch  # every rank keeps the batch, so they stay in step
+                self._retry = planned.retry  # every rank keeps the batch, so they stay in step
                 raise
         self._retry = None
         step = HDPStep(
@@ -261,6 +343,9 @@ class HDPDataIterator:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
 
     def __del__(self) -> None:  # best effort: do not leave a thread behind
         try:
@@ -271,13 +356,14 @@ class HDPDataIterator:
     def _next_planned(self) -> "_Planned | None":
         """The next batch and its plan (or its planning error); None at the end of the data."""
         try:
+            if self.dataloader == "ray" and self._remote is None:
+                self._remote = self._connect_ray()
             if self._retry is not None:
-                batch = self._retry
-                if self.prefetch:
-                    return self._wait(self._background().submit(lambda: self._plan_batch(batch)))
-                return self._plan_batch(batch)
+                job = self._retry_job(self._retry)
+                return self._wait(self._background().submit(job)) if self.prefetch else job()
+            self._started = True
             if not self.prefetch:
-                return self._read_and_plan()
+                return self._next_job()()
             self._fill_pipeline()
             planned = self._wait(self._pending.popleft())
             if planned is not None:
@@ -316,13 +402,64 @@ class HDPDataIterator:
         worker = self._background()
         while len(self._pending) < self.prefetch:
             # one worker: batches are read and planned strictly in order
-            self._pending.append(worker.submit(self._read_and_plan))
+            self._pending.append(worker.submit(self._next_job()))
 
-    def _read_and_plan(self) -> "_Planned | None":
-        """Next global batch and its plan (None when the source is exhausted)."""
+    def _next_job(self) -> Callable[[], "_Planned | None"]:
+        """Reads and plans the next batch (local), or fetches the next step (Ray)."""
+        if self.dataloader == "ray":
+            step, self._fetch_next = self._fetch_next, self._fetch_next + 1
+            return functools.partial(self._fetch_remote, step, 0, self._step)
+        return functools.partial(self._read_and_plan, self._source)  # this source, even if reseeked
+
+    def _retry_job(self, retry: Any) -> Callable[[], "_Planned"]:
+        if isinstance(retry, _RemoteRetry):
+            return functools.partial(self._fetch_remote, retry.step, retry.attempt + 1, self._step)
+        return functools.partial(self._plan_batch, retry)
+
+    def _connect_ray(self) -> "RayLoader":
+        """Create (first process of the plan group) or join the Ray loader's actors."""
+        from .ray_loader import RayLoader, RayLoaderOptions
+
+        options = self.ray_options or RayLoaderOptions()
+        group = self._agreement_group()
+        consumers = _group_size(group)
+
+        def broadcast(payload: Any) -> Any:
+            box = [payload]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            return box[0]
+
+        return RayLoader(
+            self._origin, self._planner, options=options, start_step=self._fetch_next,
+            consumer=0 if consumers == 1 else dist.get_rank(group), consumers=consumers,
+            max_held=options.lookahead + self.prefetch + 2,
+            broadcast=broadcast if consumers > 1 else None,
+        )  # fmt: skip
+
+    def _fetch_remote(self, step: int, attempt: int, done_before: int) -> "_Planned | None":
+        """Step ``step`` from the Ray loader: its plan and this rank's tokens."""
+        assert self._remote is not None
+        result = self._remote.fetch(step, attempt=attempt, done_before=done_before,
+                                    hdp_rank=self.hdp.rank, timeout_s=self.plan_timeout_s)
+        if result[0] == "end":
+            return None
+        retry = _RemoteRetry(step=step, attempt=attempt)
+        if result[0] == "error":
+            error = PlanningError(f"step {step}: the Ray loader's planner could not plan the "
+                                  f"global batch: {result[1]}")
+            return _Planned(batch=None, plan=None, plan_s=0.0, error=error, retry=retry)
+        # the planner actor hashed the plan once for every rank; the ranks' hash check then
+        # proves they train the same step (and attempt) of the one plan
+        _, plan, plan_hash, lengths, seconds, tokens = result
+        batch = GlobalBatch(lengths=lengths, tokens_by_seq=tokens,
+                            meta={"batch": step, "loader": "ray"})
+        return _Planned(batch=batch, plan=plan, plan_s=seconds, hash=plan_hash, retry=retry)
+
+    def _read_and_plan(self, source: Iterator[Any]) -> "_Planned | None":
+        """Next global batch of ``source`` and its plan (None when the source is exhausted)."""
         start = time.perf_counter()
         try:
-            batch = next(self._source)
+            batch = next(source)
         except StopIteration:
             return None
         if not isinstance(batch, GlobalBatch):
@@ -335,8 +472,11 @@ class HDPDataIterator:
         try:
             plan = self._plan(list(batch.lengths))
         except Exception as exc:  # noqa: BLE001 - handed to the training thread, raised there
-            return batch, None, time.perf_counter() - start, exc
-        return batch, plan, time.perf_counter() - start, None
+            return _Planned(batch=batch, plan=None, plan_s=time.perf_counter() - start,
+                            error=exc, retry=batch)
+        # the hash costs ~0.2 s at 16,384 ranks: here it is off the critical path too
+        return _Planned(batch=batch, plan=plan, plan_s=time.perf_counter() - start,
+                        hash=plan.content_hash(), retry=batch)
 
     def _checked_plan(self, lengths: list[int]) -> StepPlan:
         """The planner's plan, validated and proven deadlock-free before any rank trains on it.
@@ -392,8 +532,25 @@ class HDPDataIterator:
         return build
 
 
-_Planned = tuple[GlobalBatch, Optional[StepPlan], float, Optional[BaseException]]
-"""A batch, its plan (None if planning failed), seconds spent, and the planning error."""
+@dataclass(frozen=True, kw_only=True)
+class _Planned:
+    """A batch, its plan (None if planning failed), seconds spent, the planning error, the
+    plan's hash, and what to plan again if the step is not handed out."""
+
+    batch: Optional[GlobalBatch]
+    plan: Optional[StepPlan]
+    plan_s: float
+    error: Optional[BaseException] = None
+    hash: str = ""
+    retry: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RemoteRetry:
+    """A Ray-loader step that was not handed out: ask for it again, as the next attempt."""
+
+    step: int
+    attempt: int
 
 
 class PlannedTokens(Mapping):

@@ -16,6 +16,9 @@ Public API (imported lazily, so ``import megatron_bytescale.integration`` stays 
 ``run_hdp_step`` / ``hdp_forward_step`` / ``token_level_loss``  the schedule driver (PP = 1 and 1F1B)
 ``run_pipeline_micro_batches``        one stage's 1F1B over its pipeline's planned micro-batches
 ``calibrate_cost_model``              fit the planner's cost model on the model being trained
+``activation_offloader``              the model's selective activation offloader (one per model)
+``measure_layer_costs`` / ``time_decoder`` / ``measure_host_link``  calibration's measurements
+``install_ordered_grad_sync``         overlapped gradient reduction safe for ranks without micro-batches
 ``HDPStepMetrics``                    a step's HDP metrics (``StepRecord.hdp``, Megatron's log)
 ====================================  =====================================================
 """
@@ -51,6 +54,12 @@ _EXPORTS = {
     "StepRecord": "schedule",
     "HDPStepMetrics": "step_metrics",
     "calibrate_cost_model": "calibration",
+    "activation_offloader": "offload",
+    "decoder_layers": "offload",
+    "measure_layer_costs": "calibration",
+    "time_decoder": "calibration",
+    "measure_host_link": "calibration",
+    "install_ordered_grad_sync": "grad_sync",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,7 @@ def calibrate_cost_model(
     p2p_bytes: int = 1 << 20,
     host_bytes: int = 64 << 20,
     device: torch.device | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """Measure ``model`` on HDP rank 0, fit a :class:`CostModel`, give it to every HDP rank.
 
@@ -110,6 +111,7 @@ def calibrate_cost_model(
         repeats: timings per length; the minimum is kept (least disturbed by other processes).
         host_bytes: size of the host-link copies.
         device: where micro-batches are built (default: the model's parameters' device).
+        progress: called on rank 0 with a line after each measurement (``bytescale profile``).
     """
     if manager.pp_size > 1:
         raise ValueError(
@@ -122,12 +124,18 @@ def calibrate_cost_model(
     layers = int(model.config.num_layers)
     payload: list = [None]
     bandwidth, latency = measure_p2p_link(hdp, num_bytes=p2p_bytes)
+    if progress is not None and hdp.rank == 0 and hdp.size > 1:
+        progress(f"P2P link between HDP ranks 0 and 1: {bandwidth / 1e9:.3f} GB/s, "
+                 f"{latency * 1e6:.0f} us latency")
     cost_model = None
     if hdp.rank == 0:
         time_samples, activation_samples = measure_layer_costs(
-            model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device
+            model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
+            progress=progress,
         )
         d2h, h2d = measure_host_link(device, num_bytes=host_bytes)
+        if progress is not None:
+            progress(f"host link: D2H {d2h / 1e9:.2f} GB/s, H2D {h2d / 1e9:.2f} GB/s")
         label = device_label(device)
         cost_model = CostModel.fit(
             time_samples,
@@ -149,6 +157,10 @@ def calibrate_cost_model(
         layers=layers, device=device,
     )  # fmt: skip
     if hdp.rank == 0:
+        if progress is not None and hdp.size > 1:
+            rings = " and ".join(str(d) for d in sorted({2, hdp.size}))
+            progress(f"ring micro-batches on {rings} ranks: step overhead "
+                     f"{overhead * 1e3:.3f} ms per layer")
         payload[0] = {
             "cost_model": cost_model.with_(ring_step_overhead_s=overhead).to_dict(),
             "time": time_samples,
@@ -204,16 +216,19 @@ def measure_layer_costs(
     repeats: int = 3,
     vocab_size: int = 256,
     device: torch.device | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """Per-layer ``(length, seconds)`` and ``(length, activation bytes)`` of one sequence per length.
 
-    Each sequence runs on this rank alone (a ring of size 1), through :func:`time_decoder`.
+    Each sequence runs on this rank alone (a ring of size 1), through :func:`time_decoder`;
+    ``progress`` gets a line after each length.
     """
     generator = torch.Generator().manual_seed(1234)
     layers = int(model.config.num_layers)
     time_samples: list[tuple[int, float]] = []
     activation_samples: list[tuple[int, float]] = []
-    for length in sorted(set(int(n) for n in lengths)):
+    distinct = sorted(set(int(n) for n in lengths))
+    for index, length in enumerate(distinct):
         tokens = torch.randint(0, vocab_size, (length,), generator=generator)
         micro_batch = single_sequence_micro_batch(manager, [manager.hdp.rank], tokens, device=device)
         measured = time_decoder(model, manager, micro_batch, repeats=repeats)
@@ -223,6 +238,10 @@ def measure_layer_costs(
             "calibration: %d tokens -> %.4f s and %.1f MB of activations per layer (fwd+bwd)",
             length, measured.seconds / layers, measured.activation_bytes / layers / 1e6,
         )  # fmt: skip
+        if progress is not None:
+            progress(f"{index + 1}/{len(distinct)} lengths: {length} tokens -> "
+                     f"{measured.seconds / layers * 1e3:.3f} ms and "
+                     f"{measured.activation_bytes / layers / 1e6:.2f} MB per layer (fwd+bwd)")
     return time_samples, activation_samples
 
 

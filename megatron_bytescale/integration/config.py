@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ PlanMode = Literal["every_rank", "rank0_broadcast"]
 AttentionBackend = Literal["auto", "torch", "math", "flash_attn", "te"]
 DkvWire = Literal["accumulator", "input"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
+DataLoaderName = Literal["local", "ray"]
 
 
 class RefusedArguments(ValueError):
@@ -70,9 +72,13 @@ class ByteScaleConfig:
 
     offload: bool = False
     """Selective activation offload (paper Eq. 3): plan long sequences on fewer ranks, each
-    holding more than C tokens and offloading part of its activations. Off by default: the
-    training path does not run an offload context yet, so such micro-batches would keep all
-    their activations on the device."""
+    holding more than C tokens, and park the planned share of every such micro-batch's saved
+    activations in host memory during its forward (reloaded one layer ahead in backward)."""
+
+    host_memory_gb: Optional[float] = None
+    """Host memory per HDP rank, in GB (10^9 bytes), that offloaded activations may fill: the
+    planner never picks an offload ratio that needs more (it uses a larger ring instead).
+    Default: the cost model's budget (unlimited unless the cost model JSON sets one)."""
 
     plan_mode: PlanMode = "every_rank"
     """Where the plan is computed: 'every_rank' plans deterministically on every rank (no
@@ -132,6 +138,25 @@ class ByteScaleConfig:
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""
 
+    dataloader: DataLoaderName = "local"
+    """Where global batches are read and planned: 'local' (every rank reads the lengths and
+    plans, the next step on a background thread) or 'ray' (ByteScale's remote loader: Ray
+    reader actors run the data, one planner actor plans steps ahead for all ranks, and each rank
+    fetches the plan and only its own micro-batches' tokens; pip install
+    'megatron_bytescale[ray]')."""
+
+    ray_address: Optional[str] = None
+    """Ray cluster of --bytescale-dataloader ray ('auto', or the head's host:port). Default:
+    RAY_ADDRESS, else a Ray instance that the first process starts on its node (one node)."""
+
+    ray_readers: int = 2
+    """Reader actors of --bytescale-dataloader ray; sequence i of a global batch is read by
+    reader i mod this many."""
+
+    ray_lookahead: int = 2
+    """Steps the planner actor of --bytescale-dataloader ray plans beyond the newest step a
+    rank asked for."""
+
     def __post_init__(self) -> None:
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(
@@ -148,12 +173,29 @@ class ByteScaleConfig:
                 f"{flag_name('context_length')} ({self.context_length}) must be a positive number "
                 "of tokens"
             )
+        if self.host_memory_gb is not None and not (
+            math.isfinite(self.host_memory_gb) and self.host_memory_gb > 0
+        ):
+            raise ValueError(
+                f"{flag_name('host_memory_gb')} ({self.host_memory_gb}) must be a positive number "
+                "of GB (host memory per HDP rank for offloaded activations)"
+            )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(
                 f"{flag_name('ranks_per_node')} ({self.ranks_per_node}) must be >= 1 (processes "
                 "per node)"
             )
-        for name in ("scheduler", "plan_mode", "attention_backend", "overlong", "dkv_wire_dtype"):
+        for name in ("ray_readers", "ray_lookahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag_name(name)} ({getattr(self, name)}) must be >= 1")
+        if self.dataloader == "ray" and self.plan_mode != "every_rank":
+            raise ValueError(
+                f"{flag_name('plan_mode')} {self.plan_mode} does not apply to "
+                f"{flag_name('dataloader')} ray, whose planner actor plans for every rank; "
+                f"leave {flag_name('plan_mode')} at every_rank"
+            )
+        for name in ("scheduler", "plan_mode", "attention_backend", "overlong", "dkv_wire_dtype",
+                     "dataloader"):
             value = getattr(self, name)
             choices = _choices(_field_types()[name])
             if value not in choices:
@@ -195,6 +237,13 @@ class ByteScaleConfig:
             )
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"{flag_name('context_length')} must be positive")
+
+    def ray_loader_options(self) -> Any:
+        """The :class:`~megatron_bytescale.data.ray_loader.RayLoaderOptions` of these flags."""
+        from megatron_bytescale.data.ray_loader import RayLoaderOptions
+
+        return RayLoaderOptions(address=self.ray_address, num_readers=self.ray_readers,
+                                lookahead=self.ray_lookahead)
 
     @property
     def ring_attention_backend(self) -> Optional[str]:

@@ -125,6 +125,13 @@ class DocumentReader:
         self._bounds: Optional[np.ndarray] = None
         self._seq_lengths: Optional[np.ndarray] = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles unopened (a Ray reader actor opens the dataset in its own process)."""
+        return {"prefix": self.prefix, "first": self.first}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["prefix"], state["first"])  # type: ignore[misc]
+
     def _open(self) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 

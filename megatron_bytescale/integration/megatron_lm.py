@@ -58,7 +58,16 @@ logger = logging.getLogger(__name__)
 ArgsProvider = Callable[[Any], Any]
 
 # (attribute on Megatron's args, its flag, why HDP refuses it while it is set)
+_UNEVEN_STAGES = ("the HDP planner's cost model puts the same number of layers on every "
+                  "pipeline stage; split --num-layers evenly over --pipeline-model-parallel-size")
 _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", _UNEVEN_STAGES),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", _UNEVEN_STAGES),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", _UNEVEN_STAGES),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+     _UNEVEN_STAGES),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+     _UNEVEN_STAGES),
     ("ddp_average_in_collective", "--ddp-average-in-collective", "HDP normalises by the global "
      "token count (per-token loss), never by the number of ranks"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "HDP runs on Megatron DDP (+ ZeRO-1)"),
@@ -142,15 +151,6 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
         layout = HDPParallelLayout.from_megatron_args(args)
     except RefusedArguments as exc:
         reasons += exc.reasons
-    for flag, attribute in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                            ("--pipeline-model-parallel-size", "pipeline_model_parallel_size")):
-        size = int(getattr(args, attribute, 1) or 1)
-        if size != 1:
-            reasons.append(
-                f"{flag} {size} cannot be combined with --bytescale-hdp in pretrain_gpt.py of "
-                f"this version (megatron-core loops can use it: see docs/demo.md); run with "
-                f"{flag} 1"
-            )
     for attribute, flag, why in _REFUSED_FLAGS:
         if getattr(args, attribute, None):
             reasons.append(f"{flag} cannot be combined with --bytescale-hdp: {why}")
@@ -239,6 +239,8 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
                     f"{layout.hdp_size} HDP ranks; raise the capacity, use more ranks or shorten "
                     "the context"
                 )
+            if config.dataloader == "ray":
+                reasons += _ray_refusals()
             max_positions = getattr(args, "max_position_embeddings", None)
             if max_positions is not None and context > max_positions:
                 reasons.append(
@@ -249,6 +251,17 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
     if reasons or config is None:
         raise RefusedArguments(reasons)
     return config
+
+
+def _ray_refusals() -> list[str]:
+    """``--bytescale-dataloader ray`` without Ray: say so before training starts."""
+    from megatron_bytescale.data.ray_loader import RayUnavailableError, check_ray_available
+
+    try:
+        check_ray_available()  # not imported: a joining rank must set Ray's environment first
+    except RayUnavailableError as exc:
+        return [str(exc)]
+    return []
 
 
 def _is_rank0(args: Any) -> bool:

@@ -16,7 +16,8 @@ the ranks it needs. So under ``--bytescale-hdp`` the data comes from here:
   schedule, ramp-up included, x ``--seq-length``: the same token count per step as a
   Megatron run with the same flags); the sequence that would overflow a batch is cut and its
   remainder opens the next batch. The walk reads lengths only, so resuming at step k skips k
-  batches without reading a token.
+  batches without reading a token; without a weighted blend it does not even walk them
+  (:mod:`megatron_bytescale.data.batch_seek` jumps a batch per binary search).
 
 Every rank builds the same batches (same seed, same documents): the HDP planner then plans
 each batch identically on every rank (DESIGN.md D7).
@@ -24,6 +25,7 @@ each batch identically on every rank (DESIGN.md D7).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_bytescale.data.batch_seek import PoolCursor, seek_pool_batches
 from megatron_bytescale.data.document_order import DocumentVisit, document_visits
 from megatron_bytescale.data.hdp_iterator import GlobalBatch
 
@@ -128,7 +131,11 @@ def budget_batches(
         seed: seeds the document order (:func:`~megatron_bytescale.data.document_order.
             document_visits`: one permutation per epoch).
         skip_batches: batches to pass over first (resuming after ``skip_batches`` steps);
-            costs no token reads.
+            costs no token reads. Without ``weights`` the start of batch ``skip_batches``
+            is found by a binary search per batch (:mod:`~megatron_bytescale.data.
+            batch_seek`, ~100x faster than walking: docs/benchmarks.md "resume"); a weighted
+            blend walks the documents of the skipped batches (~10 µs each in Python), as its
+            choice of dataset depends on every visit before.
         weights: one blend weight per dataset of ``source`` (Megatron's weighted
             ``--data-path``: shares of tokens); ``None`` shuffles all documents as one pool.
     """
@@ -138,12 +145,21 @@ def budget_batches(
         raise ValueError(f"the context length ({context_length}) must be at least {MIN_TOKENS}")
     if not np.any(source.lengths >= MIN_TOKENS):
         raise ValueError(f"{source.name}: no document has at least {MIN_TOKENS} tokens")
+    seed = tuple(np.atleast_1d(seed).tolist())
+    step, first = 0, PoolCursor(epoch=0, index=0, token=0)
+    if skip_batches > 0 and weights is None:  # jump to batch skip_batches (a blend walks)
+        first = seek_pool_batches(
+            source.lengths, seed=seed, shuffle=shuffle, context=context_length,
+            budget_of=lambda i: _checked_budget(budget_of, i), min_tokens=MIN_TOKENS,
+            steps=skip_batches,
+        )  # fmt: skip
+        step = skip_batches
     visits = document_visits(
-        source.lengths, seed=tuple(np.atleast_1d(seed).tolist()), datasets=source.dataset_bounds,
-        weights=weights, shuffle=shuffle, min_tokens=MIN_TOKENS,
+        source.lengths, seed=seed, datasets=source.dataset_bounds, weights=weights,
+        shuffle=shuffle, min_tokens=MIN_TOKENS, start=(first.epoch, first.index),
     )  # fmt: skip
-    step = 0
-    for pieces in _batch_pieces(source, visits, budget_of, context_length):
+    for pieces in _batch_pieces(source, visits, budget_of, context_length, first_step=step,
+                                first_token=first.token):
         if step >= skip_batches:
             yield GlobalBatch(
                 lengths=tuple(p.length for p in pieces),
@@ -153,16 +169,28 @@ def budget_batches(
         step += 1
 
 
+def budget_batches_from(start_step: int, **kwargs: Any) -> Iterator[GlobalBatch]:
+    """:func:`budget_batches` from global batch ``start_step`` on: the ``start_step -> batches``
+    source an ``HDPDataIterator`` seeks when it resumes."""
+    return budget_batches(skip_batches=start_step, **kwargs)
+
+
 def _batch_pieces(source: DocumentSource, visits: Iterator[DocumentVisit],
-                  budget_of: Callable[[int], int], context: int) -> Iterator[list[Piece]]:
+                  budget_of: Callable[[int], int], context: int, *, first_step: int = 0,
+                  first_token: int = 0) -> Iterator[list[Piece]]:
+    """The pieces of batches ``first_step``, ``first_step + 1``, ...; the first visit starts
+    at its token ``first_token`` (resuming: the rest was in earlier batches). The rule is the
+    one :func:`~megatron_bytescale.data.batch_seek.seek_pool_batches` jumps over."""
     current: list[Piece] = []
-    filled, step = 0, 0
+    filled, step = 0, first_step
     budget = _checked_budget(budget_of, step)
     for visit in visits:
         length = int(source.lengths[visit.doc])
-        for sequence_start in range(0, length, context):
+        skip, first_token = first_token, 0
+        for sequence_start in range(skip - skip % context, length, context):
             # one context-length sequence of the document, spread over batches if needed
-            cursor, remaining = sequence_start, min(context, length - sequence_start)
+            cursor = max(sequence_start, skip)
+            remaining = min(context, length - sequence_start) - (cursor - sequence_start)
             while remaining >= MIN_TOKENS:  # (the batch always has >= MIN_TOKENS room here)
                 take = min(remaining, budget - filled)
                 current.append(Piece(doc=visit.doc, start=cursor, length=take,
@@ -309,7 +337,8 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
         check_two_level_heads(int(groups or heads) // int(args.tensor_model_parallel_size), topology)
         manager.two_level_topology = topology
-    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model, topology=topology)
+    planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model,
+                                topology=topology, pp_size=manager.pp_size)
     seq_length = int(args.seq_length)
     tokens_per_batch = int(args.global_batch_size) * seq_length
     schedule = GlobalBatchSchedule.from_args(args, data_parallel_size=manager.size)
@@ -327,20 +356,25 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         if source is None:
             iterators.append(None)
             continue
-        batches = budget_batches(
-            source, tokens_per_batch=budgets[split_index], context_length=config.context_length,
-            seed=(int(args.seed), split_index), skip_batches=skips[split_index], weights=weights,
+        # a function of the start step: the iterator seeks it (HDPStep.index stays global)
+        batches = functools.partial(
+            budget_batches_from, source=source, tokens_per_batch=budgets[split_index],
+            context_length=config.context_length, seed=(int(args.seed), split_index),
+            weights=weights,
         )  # fmt: skip
         iterators.append(HDPDataIterator(
             batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
             check_plan_hash=config.check_plan_hash, device=device,
-            prefetch=config.plan_prefetch,
+            prefetch=config.plan_prefetch, start_step=skips[split_index],
+            dataloader=config.dataloader,
+            ray_options=config.ray_loader_options() if config.dataloader == "ray" else None,
         ))  # fmt: skip
         if split_index == 0 and manager.rank == 0:
             logger.info(
                 "ByteScale HDP: %d HDP ranks, capacity %d, context %d, scheduler %s, %d tokens "
-                "per global batch from %s", manager.size, config.capacity,
+                "per global batch from %s, %s loader", manager.size, config.capacity,
                 config.context_length, config.scheduler, tokens_per_batch, source.name,
+                config.dataloader,
             )  # fmt: skip
     return tuple(iterators)  # type: ignore[return-value]
 

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .step_metrics import METRIC_NAMES, HDPStepMetrics, gather_step_metrics
+from .step_metrics import METRIC_NAMES, OFFLOAD_METRIC_NAMES, HDPStepMetrics, gather_step_metrics
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
+    from megatron_bytescale.runtime.offload import OffloadStats
 
     from .groups import HDPGroupManager
     from .schedule import MicroBatchRecord
@@ -35,18 +36,22 @@ CALCULATOR_LOGGER = "megatron.core.num_microbatches_calculator"
 
 
 def report_step_metrics(step: "HDPStep", records: list["MicroBatchRecord"], reports: list[dict],
-                        *, manager: "HDPGroupManager", args: Any = None) -> HDPStepMetrics | None:
+                        *, manager: "HDPGroupManager", args: Any = None,
+                        offload: "OffloadStats | None" = None) -> HDPStepMetrics | None:
     """Add the step's HDP metrics to Megatron's loss ``reports`` and log them (see above).
 
     Every rank of the HDP group calls it once per training step. ``args`` are Megatron's
-    (for the iteration and the log intervals; None outside Megatron-LM: nothing is printed).
+    (for the iteration and the log intervals; None outside Megatron-LM: nothing is printed);
+    ``offload``: this rank's activation offload totals of the step (with offload on; adds
+    ``hdp offload MB`` and ``hdp peak saved MB``).
     Returns the metrics on the ranks that print or write them, else None (no host sync).
     """
     values = gather_step_metrics(step, busy_s=sum(r.busy_s for r in records),
                                  p2p_bytes=sum(r.p2p_bytes for r in records),
-                                 group=manager.hdp.group)
+                                 group=manager.hdp.group, offload=offload)
     device = reports[0]["lm loss"].device if reports else None
-    named = {METRIC_NAMES[k]: v.to(device) for k, v in values.items()}
+    names = {**METRIC_NAMES, **OFFLOAD_METRIC_NAMES}
+    named = {names[k]: v.to(device) for k, v in values.items()}
     for report in reports:
         report.update(named)
     if args is None or not _is_last_rank():

@@ -114,17 +114,22 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     from megatron_bytescale.runtime import CommCounters
 
     manager = get_hdp_manager()
+    offloader = None if forward_only else _offloader(model)
     records, tokens, store = run_micro_batches(step, model=model, config=config,
                                                manager=manager,
                                                forward_step_func=forward_step_func,
                                                forward_only=forward_only,
-                                               counters=CommCounters())
+                                               counters=CommCounters(), offloader=offloader)
     check_trained_loss_tokens(step, records, manager)  # on the host: no device read-back (D12)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens if config.calculate_per_token_loss else None,
             force_all_reduce=force_all_reduce,
         )  # fmt: skip
+    offload = None
+    if offloader is not None:  # the step's offload totals (also starts the next step's)
+        offload = offloader.end_step()
+        logger.debug("activation offload: %s", offload.as_dict())
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if not store:
@@ -132,8 +137,19 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     if not forward_only:  # the step's HDP metrics: Megatron's log line, TensorBoard, W&B
         from .megatron_lm_metrics import report_step_metrics
 
-        report_step_metrics(step, records, store, manager=manager, args=megatron_args())
+        report_step_metrics(step, records, store, manager=manager, args=megatron_args(),
+                            offload=offload)
     return store
+
+
+def _offloader(model: Any) -> Any:
+    """The model's activation offloader when ``--bytescale-offload`` is on (one per model)."""
+    args = megatron_args()
+    if args is None or not getattr(args, "bytescale_offload", False):
+        return None
+    from .offload import activation_offloader
+
+    return activation_offloader(model)
 
 
 def _only(value: Any, what: str) -> Any:

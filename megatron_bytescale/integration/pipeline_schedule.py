@@ -65,7 +65,7 @@ from .schedule import (
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
-    from megatron_bytescale.runtime import CommCounters, MicroBatchTensors
+    from megatron_bytescale.runtime import ActivationOffloader, CommCounters, MicroBatchTensors
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ def run_pipeline_micro_batches(
     forward_step_func: ForwardStepFunc = hdp_forward_step,
     counters: Optional["CommCounters"] = None,
     forward_only: bool = False,
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
     """This stage's part of this pipeline's micro-batches of ``step``, in 1F1B order.
 
@@ -86,7 +87,8 @@ def run_pipeline_micro_batches(
     :class:`MicroBatchRecord` per micro-batch (busy time = this stage's forward + backward),
     the loss-token count (non-zero on the last stage only) and Megatron's
     ``forward_data_store`` (loss reports, last stage only). The gradient reduction is the
-    caller's.
+    caller's. With an ``offloader`` every forward offloads its plan ratio of this stage's layers
+    (several micro-batches are in flight: each keeps its own offload state).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -141,7 +143,8 @@ def run_pipeline_micro_batches(
             if phase == "F":
                 if counters is not None:
                     traffic[i] = counters.start_micro_batch(mb.order)
-                with records[i].timed(), micro_batch_scope(manager, mb, counters, phase="forward"):
+                with records[i].timed(), micro_batch_scope(manager, mb, counters, phase="forward",
+                                                           offloader=offloader):
                     output, num_tokens = megatron_forward_step(
                         forward_step_func, iter([mb]), model, num_microbatches=count,
                         forward_data_store=forward_data_store, config=config,

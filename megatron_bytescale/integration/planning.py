@@ -53,6 +53,8 @@ def make_step_planner(
         topology = hdp_topology(config, hdp_size=hdp_size, cost_model=cost_model, global_ranks=global_ranks)
     if config.two_level_ring:
         cost_model = cost_model.with_(two_level_ring=True)
+    if config.host_memory_gb is not None:
+        cost_model = cost_model.with_(host_memory_bytes=config.host_memory_gb * 1e9)
 
     def plan(lengths: list[int]) -> StepPlan:
         return make_plan(

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
 import torch
 
+from megatron_bytescale.runtime.offload import offload_micro_batch
+
 from .compat import megatron_backward_step, megatron_forward_step
 from .grad_sync import gather_params_without_forward, install_ordered_grad_sync
 from .groups import HDPGroupManager
@@ -41,7 +43,7 @@ from .step_metrics import HDPStepMetrics, gather_step_metrics
 
 if TYPE_CHECKING:
     from megatron_bytescale.data.hdp_iterator import HDPStep
-    from megatron_bytescale.runtime import CommCounters, MicroBatchTensors
+    from megatron_bytescale.runtime import ActivationOffloader, CommCounters, MicroBatchTensors, OffloadStats
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,8 @@ class MicroBatchRecord:
     p2p_bytes: int
     busy_s: float
     wall_s: float
+    offload_ratio: float = 0.0
+    """The plan's activation offload ratio for this micro-batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +151,9 @@ class StepRecord:
     reduced_at: float
     finished_at: float
     update_successful: bool
+    offload: Optional["OffloadStats"] = None
+    """Activation offload of the step (bytes offloaded / reloaded, peak resident saved bytes,
+    reload waits); None when the step ran without an offloader."""
     hdp: Optional[HDPStepMetrics] = None
     """The step's HDP metrics, the same on every rank (rings, micro-batches per rank, balance,
     slowest / fastest busy time, P2P bytes, plan wait, offloaded micro-batches)."""
@@ -171,6 +178,7 @@ def run_hdp_step(
     manager: HDPGroupManager,
     forward_step_func: ForwardStepFunc = hdp_forward_step,
     counters: Optional["CommCounters"] = None,
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> StepRecord:
     """Train one planned step on this rank: micro-batches, gradient reduction, optimizer step.
 
@@ -184,6 +192,9 @@ def run_hdp_step(
             whose loss function returns ``(loss_sum, num_tokens, report)``.
         counters: the runtime's ``CommCounters`` to charge ring traffic to (a fresh one by
             default); the step is closed on it (``end_step``) before returning.
+        offloader: the model's ``ActivationOffloader`` (``integration.activation_offloader``):
+            every micro-batch's forward offloads its planned ``offload_ratio``; its step totals
+            land in ``StepRecord.offload``. Without one, planned ratios are not applied.
     """
     from megatron.core.utils import get_model_config
 
@@ -194,13 +205,14 @@ def run_hdp_step(
 
         counters = CommCounters()
 
-    _warn_about_offload(step)
+    if offloader is None:
+        _warn_about_offload(step)
     started_at = time.time()
     model.zero_grad_buffer()
     optimizer.zero_grad()
     records, local_tokens, forward_data_store = run_micro_batches(
         step, model=model, config=config, manager=manager,
-        forward_step_func=forward_step_func, counters=counters,
+        forward_step_func=forward_step_func, counters=counters, offloader=offloader,
     )  # fmt: skip
     busy_s = sum(r.busy_s for r in records)
     micro_batches_done_at = time.time()
@@ -226,9 +238,10 @@ def run_hdp_step(
             "lost or duplicated tokens"
         )
 
+    offload_stats = offloader.end_step() if offloader is not None else None  # no device read-back
     hdp = HDPStepMetrics.from_tensors(step, gather_step_metrics(
         step, busy_s=busy_s, p2p_bytes=sum(r.p2p_bytes for r in records),
-        group=manager.hdp.group))  # fmt: skip
+        group=manager.hdp.group, offload=offload_stats))  # fmt: skip
     loss_sum = (
         float(torch.stack([d["lm loss"][0] for d in forward_data_store]).sum())
         if forward_data_store
@@ -249,6 +262,7 @@ def run_hdp_step(
         reduced_at=reduced_at,
         finished_at=time.time(),
         update_successful=bool(update_successful),
+        offload=offload_stats,
         hdp=hdp,
     )
 
@@ -262,6 +276,7 @@ def run_micro_batches(
     forward_step_func: ForwardStepFunc = hdp_forward_step,
     counters: Optional["CommCounters"] = None,
     forward_only: bool = False,
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> tuple[list[MicroBatchRecord], torch.Tensor, list]:
     """This rank's micro-batches of ``step`` in plan order, through megatron-core's step functions.
 
@@ -274,6 +289,9 @@ def run_micro_batches(
     bucket groups are issued in one fixed order on every rank, and a rank without micro-batches
     still takes part in every parameter gather (:mod:`.grad_sync`). Nothing here reads a device
     value back to the host (D12).
+
+    With an ``offloader``, each micro-batch's forward runs in its offload context with the
+    plan's ratio (:func:`~megatron_bytescale.runtime.offload_micro_batch`).
 
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
     Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
@@ -288,6 +306,7 @@ def run_micro_batches(
         return run_pipeline_micro_batches(
             step, model=model, config=config, manager=manager,
             forward_step_func=forward_step_func, counters=counters, forward_only=forward_only,
+            offloader=offloader,
         )  # fmt: skip
     check_plan_pipeline(step, 1)
     count = step.num_micro_batches
@@ -300,7 +319,7 @@ def run_micro_batches(
         traffic = counters.start_micro_batch(planned.order) if counters is not None else None
         busy0, wall0 = time.process_time(), time.perf_counter()
         with no_sync() if deferred else contextlib.nullcontext():
-            with micro_batch_scope(manager, tensors, counters, phase="forward"):
+            with micro_batch_scope(manager, tensors, counters, phase="forward", offloader=offloader):
                 output, num_tokens = megatron_forward_step(
                     forward_step_func,
                     iter([tensors]),
@@ -324,6 +343,7 @@ def run_micro_batches(
                 p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
                 busy_s=time.process_time() - busy0,
                 wall_s=time.perf_counter() - wall0,
+                offload_ratio=planned.offload_ratio,
             )
         )
     return records, local_tokens, forward_data_store
@@ -336,6 +356,7 @@ def micro_batch_scope(
     counters: Optional["CommCounters"],
     *,
     phase: Literal["forward", "backward"],
+    offloader: Optional["ActivationOffloader"] = None,
 ) -> Iterator["MicroBatchTensors"]:
     """What wraps the forward, and separately the backward, of one micro-batch in every driver.
 
@@ -343,10 +364,13 @@ def micro_batch_scope(
     between a micro-batch's forward and its backward) enter it, so per-micro-batch hooks
     belong here. It binds the micro-batch to the HDP group manager: the core attention reads
     its ring and layout, in the backward too (activation recomputation reruns the forward).
+    With an ``offloader`` the forward runs in the micro-batch's offload context (its plan ratio;
+    the backward reloads through the hooks packed in forward, wherever it runs).
     """
     if phase not in ("forward", "backward"):
         raise ValueError(f"phase ({phase!r}) must be 'forward' or 'backward'")
-    with manager.bind(micro_batch, counters):
+    offload = offload_micro_batch(offloader, micro_batch) if phase == "forward" else contextlib.nullcontext()
+    with manager.bind(micro_batch, counters), offload:
         yield micro_batch
 
 
@@ -369,7 +393,7 @@ _OFFLOAD_WARNED = False
 
 
 def _warn_about_offload(step: "HDPStep") -> None:
-    """Plans may ask for activation offload; the training path does not run it yet (say so once)."""
+    """A plan asks for activation offload but the step has no offloader (say so once)."""
     global _OFFLOAD_WARNED
     if _OFFLOAD_WARNED:
         return
@@ -377,9 +401,9 @@ def _warn_about_offload(step: "HDPStep") -> None:
     if offloaded:
         _OFFLOAD_WARNED = True
         logger.warning(
-            "step %d: micro-batches %s are planned with activation offload, but no offload "
-            "context runs yet; their activations stay resident (plan with offload=False to "
-            "respect the capacity)",
+            "step %d: micro-batches %s are planned with activation offload, but the step runs "
+            "without an offloader, so their activations stay resident; pass "
+            "offloader=integration.activation_offloader(model) (or plan with offload=False)",
             step.index,
             offloaded[:5],
         )

@@ -48,7 +48,7 @@ __all__ = [
     "zigzag_split_from_shares",
 ]
 
-# --- cost model, Eq. 3, schedulers, estimate, order (issue #2) ---------------------------------
+# --- cost model, Eq. 3, schedulers, estimate, order -------------------------------------------
 from .cost_model import CostModel  # noqa: E402
 from .estimate import estimate_plan, simulate_plan  # noqa: E402
 from .offload import OffloadDecision, solve_offload  # noqa: E402

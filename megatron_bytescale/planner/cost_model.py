@@ -41,6 +41,9 @@ and thread switches that gloo makes on the same cores that compute (calibrated b
 intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
 its slowest hop).
 
+Host memory: a member offloading the ratio r of a micro-batch fills ``r * (l - 2) * Act(share)``
+bytes of host memory (``host_memory_bytes`` caps it, for all micro-batches in flight at once).
+
 Two-level rings (``two_level_ring``, docs/two_level_ring.md): a ring of D = k * G members on k
 whole nodes runs k steps between nodes (same formula with D -> k for the step count and the
 per-step compute ``attention / k``, the network rate) plus all-to-alls inside the node that
@@ -149,6 +152,9 @@ class CostModel:
     launch/synchronisation cost on GPUs, gloo's copies on the computing cores on CPU."""
     ranks_per_node: int = 1
     """HDP ranks that share a node (gpus_per_node // TP); a ring inside one node uses NVLink."""
+    host_memory_bytes: float | None = None
+    """Host memory one HDP rank may fill with offloaded activations (None: unlimited). Eq. 3
+    never picks a ratio that needs more (see :func:`.offload.host_bytes_per_member`)."""
     attention_forward_fraction: float = 2.0 / 7.0
     """Share of the attention time spent in forward (2/7 for FlashAttention-2: 2 of 7 s^2 GEMMs)."""
     forward_fraction: float = 1.0 / 3.0
@@ -180,6 +186,14 @@ class CostModel:
         for name in ("d2h_bandwidth", "h2d_bandwidth", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "alpha2"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be > 0")
+        if self.host_memory_bytes is not None and not (
+            isinstance(self.host_memory_bytes, (int, float)) and math.isfinite(self.host_memory_bytes)
+            and self.host_memory_bytes > 0
+        ):
+            raise ValueError(
+                f"cost model {self.name!r}: host_memory_bytes ({self.host_memory_bytes!r}) must be "
+                "a number of bytes > 0, or None for unlimited host memory"
+            )
         for name in ("attention_forward_fraction", "forward_fraction"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({getattr(self, name)!r}) must be in (0, 1)")

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import CostModel
+from .offload import max_zigzag_share_array
 from .order import Simulation, simulate
 from .plan import Estimate, StepPlan
 from .topology import Topology, placement_summary
@@ -224,8 +225,10 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | No
     ``num_rings`` (ring size > 1), ``ring_size_histogram`` ({size: count} over distinct
     micro-batches, sizes as strings for JSON), ``max_ring_size``, ``offloaded_micro_batches``,
     ``micro_batch_counts`` (per rank), ``num_barriers``, ``model``, ``inter_node_p2p_bytes``
-    (the part of ``p2p_bytes`` that crosses nodes), ``ranks_per_node`` and the ring placement
-    counts of :func:`.topology.placement_summary`.
+    (the part of ``p2p_bytes`` that crosses nodes), ``ranks_per_node``, the ring placement
+    counts of :func:`.topology.placement_summary`, ``max_host_bytes_per_rank`` (offloaded
+    activations a rank keeps in host memory at once, see :func:`host_bytes_per_rank`) and
+    ``host_memory_bytes`` (the cost model's budget, None for unlimited).
     """
     topo = Topology.for_plan(plan, cost_model, topology)
     costs, sim = simulate_plan(plan, cost_model, topology=topo)
@@ -257,6 +260,8 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | No
         "inter_node_p2p_bytes": int(round(float(np.sum(costs.inter_node_bytes)))),
         "ranks_per_node": topo.ranks_per_node,
         **placement_summary(topo, [r for r in costs.rings if len(r) > 1]),
+        "max_host_bytes_per_rank": float(host_bytes_per_rank(plan, cost_model, costs).max(initial=0.0)),
+        "host_memory_bytes": cost_model.host_memory_bytes,
     }
     return Estimate(
         step_time_s=step,
@@ -264,3 +269,29 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | No
         p2p_bytes=int(round(float(np.sum(costs.p2p_bytes)))),
         extra=extra,
     )
+
+
+def host_bytes_per_rank(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts | None = None) -> np.ndarray:
+    """Host bytes of offloaded activations each rank holds at its fullest.
+
+    A micro-batch with ratio r fills ``r * (l - 2) * Act(share)`` on each member (share: the
+    fullest member's real tokens, as in :func:`.offload.host_bytes_per_member`). Without PP a
+    rank holds one micro-batch's at a time (its largest counts); with PP the first stage keeps
+    up to ``pp_size`` forwards in flight (the sum of its ``pp_size`` largest).
+    """
+    if costs is None:
+        costs = micro_batch_costs(plan, cost_model)
+    out = np.zeros(plan.hdp_size)
+    layers = plan.layers_per_stage
+    if len(costs.orders) == 0 or layers <= 2 or not np.any(costs.offload > 0):
+        return out
+    rings = costs.ring_sizes[costs.seq_owner]
+    shares = max_zigzag_share_array(costs.seq_lengths, rings, plan.align).astype(np.float64)
+    share = np.bincount(costs.seq_owner, weights=shares, minlength=len(costs.orders))
+    host = costs.offload * (layers - 2) * cost_model.activation_bytes(share)
+    for rank_plan in plan.ranks:
+        orders = [mb.order for mb in rank_plan.micro_batches if mb.offload_ratio > 0]
+        if orders:
+            values = np.sort(host[np.searchsorted(costs.orders, orders)])[::-1]
+            out[rank_plan.rank] = float(values[: plan.pp_size].sum())
+    return out

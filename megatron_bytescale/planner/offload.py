@@ -20,6 +20,14 @@ l * Act(C) is one rank's budget. How we solve it:
    validator rejects). The first D whose ratio is <= r_max wins: it is the minimal D, and the
    ratio is the smallest that gives it (least PCIe traffic; the paper leaves the choice open).
 3. If no D below D0 works, offload saves no rank: r = 0, D = D0 (bumped until the share fits).
+
+Host memory (``CostModel.host_memory_bytes``, the budget per rank): a member that offloads r of
+its share fills ``r * (l - 2) * Act(share)`` bytes of host memory per micro-batch, and up to
+``in_flight`` micro-batches hold theirs at once (1 without pipeline parallelism; with PP the
+first stage keeps ``pp_size`` forwards in flight under 1F1B). A ratio whose host memory would
+exceed the budget is not a solution: :func:`minimal_ratio_for_ring` returns None for it, so the
+solver moves on to a larger ring that needs less (and :func:`fits_at_all` rejects a sequence
+that only fits by breaking the budget).
 """
 
 from __future__ import annotations
@@ -102,6 +110,27 @@ def ring_size_without_offload(length: int, *, capacity: int, cost_model: CostMod
     return d
 
 
+def host_bytes_per_member(length: int, ring_size: int, offload_ratio: float, *, layers: int,
+                          cost_model: CostModel, align: int = 1) -> float:
+    """Host bytes the fullest member of the ring fills when it offloads ``offload_ratio`` of one
+    micro-batch: ``r * (l - 2) * Act(share)`` (two layers always stay on the device)."""
+    if offload_ratio <= 0.0 or layers <= 2:
+        return 0.0
+    share = max_zigzag_share(length, ring_size, align)
+    return float(offload_ratio) * (layers - 2) * cost_model.activation_bytes(share)
+
+
+def fits_host_memory(length: int, ring_size: int, offload_ratio: float, *, layers: int,
+                     cost_model: CostModel, align: int = 1, in_flight: int = 1) -> bool:
+    """Whether ``in_flight`` such micro-batches fit the cost model's host budget per rank."""
+    budget = cost_model.host_memory_bytes
+    if budget is None:
+        return True
+    need = in_flight * host_bytes_per_member(length, ring_size, offload_ratio, layers=layers,
+                                             cost_model=cost_model, align=align)
+    return need <= budget * (1.0 + _EPS)
+
+
 def no_ring_fits(length: int, capacity: int, align: int) -> str:
     """Why a sequence fits no ring at all (only when align > capacity)."""
     return (
@@ -112,10 +141,12 @@ def no_ring_fits(length: int, capacity: int, align: int) -> str:
 
 
 def minimal_ratio_for_ring(
-    length: int, ring_size: int, *, capacity: int, cost_model: CostModel, layers: int, align: int = 1
+    length: int, ring_size: int, *, capacity: int, cost_model: CostModel, layers: int, align: int = 1,
+    in_flight: int = 1,
 ) -> float | None:
     """Smallest r in [r_lb, 1] with which ``length`` fits on ``ring_size`` ranks (Eq. 3 and the
-    zigzag share); 0.0 if no offload is needed, None if even r = 1 does not fit."""
+    zigzag share); 0.0 if no offload is needed, None if even r = 1 does not fit or the smallest
+    ratio needs more host memory than the budget (``in_flight`` micro-batches at once)."""
     if fits_on_ring(length, ring_size, capacity=capacity, layers=layers, offload_ratio=0.0, align=align):
         if ring_size >= math.ceil(cost_model.activation_bytes(length) / cost_model.activation_bytes(capacity) - _EPS):
             return 0.0
@@ -135,6 +166,9 @@ def minimal_ratio_for_ring(
     # guard against rounding: the validator compares resident_tokens with C + 1e-9
     for _ in range(64):
         if resident_tokens(share, r, l) <= capacity + _EPS and _eq3_ring_size(act_s, act_c, r, l) <= ring_size:
+            if not fits_host_memory(length, ring_size, r, layers=l, cost_model=cost_model,
+                                    align=align, in_flight=in_flight):
+                return None
             return r
         r = min(1.0, np.nextafter(r, 2.0) + 1e-12)
     return None
@@ -153,13 +187,15 @@ def solve_offload(
     align: int = 1,
     offload: bool = True,
     max_ring_size: int | None = None,
+    in_flight: int = 1,
 ) -> OffloadDecision:
     """Eq. 3 for one sequence of ``length >= capacity`` tokens (shorter ones get D = 1, r = 0).
 
     ``max_ring_size`` (the HDP size) only matters when the overlap-feasible answer does not fit:
     then the smallest ratio that fits ``max_ring_size`` ranks is used (``overlap_ok=False``; the
     cost model charges the exposed transfer). Callers check :func:`max_fitting_length` first to
-    reject sequences that cannot fit at all.
+    reject sequences that cannot fit at all. ``in_flight``: micro-batches whose offloaded
+    activations share a rank's host memory at once (the host budget, module docstring).
     """
     d0 = ring_size_without_offload(length, capacity=capacity, cost_model=cost_model, layers=layers, align=align)
     if length < capacity or not offload or layers <= 2 or d0 == 1:
@@ -172,14 +208,16 @@ def solve_offload(
     best: OffloadDecision | None = None
     if r_max >= r_lb:
         for d in range(_eq3_ring_size(act_s, act_c, r_max, l), d0):
-            r = minimal_ratio_for_ring(length, d, capacity=capacity, cost_model=cost_model, layers=l, align=align)
+            r = minimal_ratio_for_ring(length, d, capacity=capacity, cost_model=cost_model, layers=l,
+                                       align=align, in_flight=in_flight)
             if r is not None and r <= r_max + _EPS:
                 best = OffloadDecision(ring_size=d, offload_ratio=r, ring_size_without_offload=d0)
                 break
     if best is None:
         best = OffloadDecision(ring_size=d0, offload_ratio=0.0, ring_size_without_offload=d0)
     if max_ring_size is not None and best.ring_size > max_ring_size:
-        r = minimal_ratio_for_ring(length, max_ring_size, capacity=capacity, cost_model=cost_model, layers=l, align=align)
+        r = minimal_ratio_for_ring(length, max_ring_size, capacity=capacity, cost_model=cost_model,
+                                   layers=l, align=align, in_flight=in_flight)
         if r is not None:
             best = OffloadDecision(
                 ring_size=max_ring_size, offload_ratio=r, ring_size_without_offload=d0,
@@ -189,10 +227,12 @@ def solve_offload(
 
 
 def fits_at_all(length: int, *, capacity: int, layers: int, cost_model: CostModel, max_ring_size: int,
-                offload: bool, align: int = 1) -> bool:
-    """Whether ``length`` fits on ``max_ring_size`` ranks at all (full offload if allowed)."""
+                offload: bool, align: int = 1, in_flight: int = 1) -> bool:
+    """Whether ``length`` fits on ``max_ring_size`` ranks at all (full offload if allowed, within
+    the host budget)."""
     if offload and layers > 2:
-        r = minimal_ratio_for_ring(length, max_ring_size, capacity=capacity, cost_model=cost_model, layers=layers, align=align)
+        r = minimal_ratio_for_ring(length, max_ring_size, capacity=capacity, cost_model=cost_model,
+                                   layers=layers, align=align, in_flight=in_flight)
         return r is not None
     return fits_on_ring(length, max_ring_size, capacity=capacity, layers=layers, offload_ratio=0.0, align=align) and (
         math.ceil(cost_model.activation_bytes(length) / cost_model.activation_bytes(capacity) - _EPS) <= max_ring_size
@@ -200,13 +240,13 @@ def fits_at_all(length: int, *, capacity: int, layers: int, cost_model: CostMode
 
 
 def max_fitting_length(*, capacity: int, layers: int, cost_model: CostModel, max_ring_size: int,
-                       offload: bool, align: int = 1) -> int:
+                       offload: bool, align: int = 1, in_flight: int = 1) -> int:
     """The longest sequence :func:`fits_at_all` accepts (binary search; fitting is monotone)."""
     lo, hi = 0, max(1, capacity) * max_ring_size * max(1, layers) + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits_at_all(mid, capacity=capacity, layers=layers, cost_model=cost_model,
-                       max_ring_size=max_ring_size, offload=offload, align=align):
+                       max_ring_size=max_ring_size, offload=offload, align=align, in_flight=in_flight):
             lo = mid
         else:
             hi = mid

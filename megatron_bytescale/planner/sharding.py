@@ -59,6 +59,8 @@ class ShardingContext:
     offload: bool = True
     topology: Topology | None = None
     """Where the HDP ranks sit (None: ``cost_model.ranks_per_node`` consecutive ranks per node)."""
+    in_flight: int = 1
+    """Micro-batches whose offloaded activations share a rank's host memory at once (pp_size)."""
 
     @property
     def nodes(self) -> Topology:
@@ -122,7 +124,8 @@ class ShardingContext:
             return unit
         if len(unit.seqs) == 1 and self.offload:
             r = minimal_ratio_for_ring(unit.lengths[0], ring_size, capacity=self.capacity,
-                                       cost_model=self.cost_model, layers=self.layers, align=self.align)
+                                       cost_model=self.cost_model, layers=self.layers, align=self.align,
+                                       in_flight=self.in_flight)
             r = unit.offload_ratio if r is None else r
         else:
             r = 0.0 if ring_size > unit.ring_size else unit.offload_ratio
@@ -166,7 +169,8 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
     long_ = sorted((i, n) for i, n in zip(ids, lengths) if n >= ctx.capacity)
     units: list[Unit] = []
     decisions = [solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model,
-                               align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size)
+                               align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size,
+                               in_flight=ctx.in_flight)
                  for _, n in long_]
     times = long_times([n for _, n in long_], [d.ring_size for d in decisions],
                        [d.offload_ratio for d in decisions], ctx)

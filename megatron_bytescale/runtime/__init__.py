@@ -25,7 +25,7 @@ from .layout import (
     layout_for,
     make_attention_layout,
 )
-from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats
+from .offload import ActivationOffloader, MicroBatchOffload, OffloadStats, offload_micro_batch
 from .online_softmax import merge_partial_attention
 from .p2p_volume import plan_p2p_bytes, ring_attention_p2p_bytes, ring_local_tokens, two_level_p2p_bytes
 from .ring_attention import (
@@ -35,7 +35,7 @@ from .ring_attention import (
     verify_ring_layout,
 )
 from .ring_comm import RingComm
-from .ring_schedule import prepare_device_metadata
+from .ring_schedule import AttentionBlock, attention_block, prepare_device_metadata, take_rows
 from .ring_step import (
     DKV_WIRE_CHOICES,
     EmulatedRing,
@@ -50,6 +50,9 @@ from .ring_step import (
 from .two_level_ring import two_level_ring_attention
 
 __all__ = [
+    "AttentionBlock",
+    "attention_block",
+    "take_rows",
     "DKV_WIRE_CHOICES",
     "EmulatedRing",
     "RingForwardState",
@@ -85,6 +88,7 @@ __all__ = [
     "layout_for",
     "make_attention_layout",
     "merge_partial_attention",
+    "offload_micro_batch",
     "plan_p2p_bytes",
     "ring_attention",
     "ring_attention_backward",

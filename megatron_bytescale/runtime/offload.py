@@ -16,7 +16,8 @@ layers, megatron-core's included, without touching the model code::
 the first ``l - keep_resident_layers`` layers (``l`` = the layers given, in forward order; by
 default the last two stay resident because their backward comes first and nothing could hide
 their reload) is offloaded in part when it is floating point, lives on the compute device,
-holds at least ``min_tensor_bytes`` and is not a parameter (nor a view of one):
+holds at least ``min_tensor_bytes`` and is not a parameter (nor a view of one) or another leaf
+that requires grad (a pipeline stage's input: the schedule holds it until its backward anyway):
 
 * token-granular when it has a token dimension (the first dimension of size ``num_tokens``,
   dimension 0 in megatron-core's ``[s, b, h]`` layout and for ring attention's q/k/v/out/lse):
@@ -47,11 +48,12 @@ The transfers, their streams and the host buffer pool are in :mod:`.offload_stre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
@@ -108,6 +110,8 @@ class ActivationOffloader:
         min_tensor_bytes: smaller saved tensors stay resident (one copy is not worth it).
         device: the compute device (default: the device of the layers' first parameter).
         params_of: modules whose parameters must never be offloaded (default: ``layers``).
+        sequence_parallel_size: with Megatron's sequence parallelism the layernorm / dropout
+            regions hold ``num_tokens / tp`` rows per TP rank: those are token dimensions too.
         stream_ops: the stream primitives (default: CUDA's on a CUDA device, else the
             synchronous host stand-ins); tests inject recording ones.
     """
@@ -121,6 +125,7 @@ class ActivationOffloader:
         device: torch.device | str | None = None,
         params_of: Iterable[torch.nn.Module] | None = None,
         stream_ops: StreamOps | None = None,
+        sequence_parallel_size: int = 1,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -129,6 +134,9 @@ class ActivationOffloader:
             raise ValueError(f"keep_resident_layers ({keep_resident_layers}) must be >= 0")
         if min_tensor_bytes < 0:
             raise ValueError(f"min_tensor_bytes ({min_tensor_bytes}) must be >= 0")
+        if sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size ({sequence_parallel_size}) must be >= 1")
+        self.sequence_parallel_size = int(sequence_parallel_size)
         self.num_layers = len(layers)
         self.keep_resident_layers = int(keep_resident_layers)
         self.min_tensor_bytes = int(min_tensor_bytes)
@@ -164,7 +172,8 @@ class ActivationOffloader:
         """A context for the forward of one micro-batch that offloads ``offload_ratio`` of it.
 
         ``num_tokens`` is the micro-batch's local token count (rows of its ``[s, b, h]``
-        activations); without it every tensor is offloaded whole.
+        activations; with sequence parallelism also ``num_tokens / sequence_parallel_size``
+        rows are a token dimension); without it every tensor is offloaded whole.
         """
         ratio = float(offload_ratio)
         if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
@@ -265,6 +274,9 @@ class MicroBatchOffload:
         self.owner = owner
         self.ratio = ratio
         self.num_tokens = num_tokens
+        sp = owner.sequence_parallel_size
+        self._token_sizes = () if not num_tokens else (
+            (num_tokens,) if sp == 1 or num_tokens % sp else (num_tokens, num_tokens // sp))
         self.counters = counters
         self._layers: dict[int, list[weakref.ref]] = defaultdict(list)
         self._backward_layers: set[int] = set()
@@ -314,13 +326,15 @@ class MicroBatchOffload:
             return None
         if not tensor.is_floating_point() or tensor.device != owner.device or tensor.dim() == 0:
             return None
+        if tensor.is_leaf and tensor.requires_grad:  # a parameter, a pipeline stage's input:
+            return None  # its owner holds it anyway, so a copy would free nothing
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0 or nbytes < owner.min_tensor_bytes:
             return None
         storage = tensor.untyped_storage().data_ptr()
         if storage in self._params or storage in self._resident_storages:
             return None
-        dim = _token_dim(tensor, self.num_tokens)
+        dim = _token_dim(tensor, self._token_sizes)
         if dim is not None:
             rows = min(tensor.shape[dim], math.ceil(self.ratio * tensor.shape[dim] - 1e-9))
             return (dim, rows) if rows > 0 else None
@@ -349,12 +363,25 @@ class MicroBatchOffload:
                     self.counters.on_demand_reloads += 1
 
 
-def _token_dim(tensor: torch.Tensor, num_tokens: int | None) -> int | None:
-    """The token dimension: 0 if it has ``num_tokens`` rows, else the first such dimension."""
-    if not num_tokens:
-        return None
+def offload_micro_batch(offloader: ActivationOffloader | None, micro_batch: Any) -> ContextManager[Any]:
+    """The context a schedule enters around the **forward** of one planned micro-batch.
+
+    ``micro_batch`` is a :class:`~.layout.MicroBatchTensors` (its plan ``offload_ratio`` and its
+    token count, padded to a multiple of the offloader's ``sequence_parallel_size`` as the
+    model pads it). Returns a no-op without an offloader or when autograd records nothing (an
+    evaluation forward). Backward may run later, outside the context (pipeline schedules).
+    """
+    if offloader is None or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    sp = offloader.sequence_parallel_size
+    rows = -(-int(micro_batch.tokens.numel()) // sp) * sp
+    return offloader.micro_batch(micro_batch.offload_ratio, num_tokens=rows)
+
+
+def _token_dim(tensor: torch.Tensor, token_sizes: tuple[int, ...]) -> int | None:
+    """The token dimension: the first dimension (0 in ``[s, b, h]``) of one of ``token_sizes``."""
     for dim, size in enumerate(tensor.shape):
-        if size == num_tokens:
+        if size in token_sizes:
             return dim
     return None
 

@@ -15,7 +15,7 @@ NCCL run. The ordering rules are the whole difficulty, so they live in one class
 * **use** (``wait``): the compute stream waits for the reload's event before the backward
   touches the tensor. Nothing here blocks the host: events are waited for by streams, and
   ``query()`` only looks. When the reload was not finished yet, the stall is timed with two
-  timing events on the compute stream (read once per step by :meth:`stall_seconds`).
+  timing events on the compute stream, read once they have completed (never waited for).
 
 Two implementations of the stream interface: :class:`CudaStreamOps` (``torch.cuda`` streams and
 events, pinned host memory, non-blocking copies) and :class:`HostStreamOps` for CPU runs, where
@@ -201,18 +201,21 @@ class ActivationTransfers:
         self._stalls.append((begin, end))
 
     def take_wait_seconds(self) -> float:
-        """Seconds the computation waited for reloads since the last call.
+        """Seconds the computation waited for reloads, counted since the last call.
 
-        Asynchronous copies (CUDA): the compute stream's stalls, read from timing events (this
-        waits for them: call it once per step, after the step's work, never inside forward or
-        backward). Synchronous copies (CPU): the reload copies themselves, which the computing
-        thread runs.
+        Asynchronous copies (CUDA): the compute stream's stalls, read from their timing events
+        once those have completed; a stall whose events the device has not reached yet is
+        counted by a later call (no host synchronisation, D12). Synchronous copies (CPU): the
+        reload copies themselves, which the computing thread runs.
         """
         total = 0.0
+        pending = []
         for begin, end in self._stalls:
-            end.synchronize()
-            total += begin.elapsed_time(end) / 1e3
-        self._stalls = []
+            if end.query():
+                total += begin.elapsed_time(end) / 1e3
+            else:
+                pending.append((begin, end))
+        self._stalls = pending
         if not self.ops.non_blocking:
             total += self.h2d_s
         return total

@@ -63,8 +63,14 @@ def install_cpu_stand_ins() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as init
     import megatron.training.training as training
+
+    # validate_args reads the GPU architecture when TP > 1; a CPU answers as a pre-Blackwell
+    # GPU, for which Megatron wants CUDA_DEVICE_MAX_CONNECTIONS=1 (as its launch scripts set)
+    arguments.get_device_arch_version = lambda: 9
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.core import parallel_state, tensor_parallel
     from megatron.training.global_vars import get_args
 

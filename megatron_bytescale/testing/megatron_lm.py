@@ -238,9 +238,13 @@ def terminate_process_tree(pid: int, *, grace_s: float = 10.0) -> None:
 # megatron.training cost seconds): one JSON line per set.
 _VALIDATE = textwrap.dedent("""
     import contextlib, io, json, sys
+    import megatron.training.arguments as arguments
     from megatron.training.arguments import parse_args, validate_args
     from megatron_bytescale.integration import megatron_lm
     flag_sets, attributes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    # validate_args reads the GPU architecture when TP > 1: answer as the GPU named
+    device_arch = int(sys.argv[3])
+    arguments.get_device_arch_version = lambda: device_arch
     for flags in flag_sets:
         sys.argv = ["pretrain_gpt.py"] + flags
         report = io.StringIO()  # the plugin's refusals: one report on stderr, then exit 2
@@ -272,16 +276,20 @@ class ValidatedArgs:
 
 def validate_megatron_flags(tree: PatchedMegatronLM, flag_sets: Sequence[Sequence[str]],
                             attributes: Sequence[str], *, world_size: int = 4,
-                            timeout_s: float = 300.0) -> list[ValidatedArgs]:
+                            device_arch: int = 9, timeout_s: float = 300.0) -> list[ValidatedArgs]:
     """Run the patched ``parse_args`` + ``validate_args`` on each flag set, in one process.
 
     ``world_size`` is what Megatron reads from ``$WORLD_SIZE`` (no process group is made).
+    With TP > 1 Megatron's ``validate_args`` asks for the GPU's major compute capability; it
+    gets ``device_arch`` (9: Hopper, as Megatron's H100 examples; then it requires
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which those examples export and so does this call).
     Returns, per flag set, the ``attributes`` of the validated args or the refusal.
     """
     run = subprocess.run(
         [sys.executable, "-c", _VALIDATE, json.dumps([list(f) for f in flag_sets]),
-         json.dumps(list(attributes))],
-        env=tree.env(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0"), cwd=tree.root,
+         json.dumps(list(attributes)), str(int(device_arch))],
+        env=tree.env(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0",
+                     CUDA_DEVICE_MAX_CONNECTIONS="1"), cwd=tree.root,
         capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     lines = [x[len("VALIDATED "):] for x in run.stdout.splitlines() if x.startswith("VALIDATED ")]

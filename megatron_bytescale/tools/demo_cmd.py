@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .demo_process import Interrupted, run_supervised
-from .demo_settings import BUILTIN_DATASETS, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
+from .demo_settings import BUILTIN_DATASETS, DEFAULT_MODES, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
 
 DEFAULT_CAPACITY = 512
 
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Train a small megatron-core GPT on CPU ranks (gloo) three ways on identical data and "
             "initial weights: static DP x CP (Megatron-style packing, one ring over the CP group), "
-            "HDP naive and HDP balance; print per-step loss, tokens/s, P2P bytes and per-rank busy "
+            "HDP naive and HDP balance (and, with --bytescale-offload, HDP balance with selective "
+            "activation offload); print per-step loss, tokens/s, P2P bytes and per-rank busy "
             "time, then a comparison table and a plot."
         ),
     )
@@ -44,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated modes to compare (default: {','.join(MODES)})",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated modes to compare, of {','.join(MODES)} (default: "
+        f"{','.join(DEFAULT_MODES)}; --bytescale-offload adds offload: HDP balance with "
+        "selective activation offload)",
     )
     demo.add_argument("--ranks", type=int, default=4, help="CPU processes = HDP ranks (default: 4)")
     demo.add_argument(
@@ -99,6 +102,11 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
                 f"bytescale demo does not take --bytescale-{name}: it runs every mode named by "
                 f"{instead} (static, naive, balance) on the same batches"
             )
+    if config.dataloader != "local":
+        raise ValueError(
+            f"bytescale demo plans with the local loader; --bytescale-dataloader "
+            f"{config.dataloader} serves pretrain_gpt.py and your own loop (docs/megatron_lm.md)"
+        )
     if config.cost_model:
         from megatron_bytescale.planner.cost_model import CostModel
 
@@ -122,7 +130,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     context = config.context_length or args.ranks * capacity
     return DemoSettings(
         datasets=datasets,
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        modes=demo_modes(args.modes, offload=config.offload),
         ranks=args.ranks,
         steps=args.steps,
         capacity=capacity,
@@ -137,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         seed=args.seed,
         plan_mode=config.plan_mode,
         offload=config.offload,
+        host_memory_gb=config.host_memory_gb,
         align=config.align,
         attention_backend=config.attention_backend,
         check_plan_hash=config.check_plan_hash,
@@ -145,6 +154,12 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         out_dir=str(Path(args.out).resolve()),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+
+
+def demo_modes(text: str, *, offload: bool) -> tuple[str, ...]:
+    """The modes of ``--modes``, plus ``offload`` when ``--bytescale-offload`` asks for it."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    return modes + ("offload",) if offload and "offload" not in modes else modes
 
 
 def run_demo_job(settings: DemoSettings) -> dict[str, Any]:

@@ -9,7 +9,13 @@ set-up costs):
 * busy time: CPU seconds (``time.process_time``) a rank spent in its micro-batches, the max
   and the mean over ranks; max is what the slowest rank needs, max/mean the imbalance;
 * tokens per busy-second: tokens / max busy time, the throughput if every rank had its own core;
-* P2P: bytes sent by all ranks in ring attention per step.
+* P2P: bytes sent by all ranks in ring attention per step;
+* max ring: the widest ring of a step (the largest over the measured steps);
+* peak saved MB: the most bytes of saved activations one rank kept resident at once (measured
+  by the offload context's hooks in every mode, the largest rank, averaged over steps); with
+  offload, each micro-batch of a long sequence holds more tokens but keeps only Eq. 3's share
+  of them resident;
+* offloaded MB/step: activation bytes all ranks sent to host memory (the ``offload`` mode).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODE_ORDER = ("static", "naive", "balance")
+MODE_ORDER = ("static", "naive", "balance", "offload")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +44,9 @@ class ModeSummary:
     losses: tuple[float, ...]
     busy_by_rank: tuple[float, ...]
     micro_batches_by_rank: tuple[float, ...]
+    max_ring: int | None = None
+    peak_saved_bytes: float | None = None
+    offloaded_bytes: float = 0.0
 
     @property
     def imbalance(self) -> float:
@@ -67,11 +76,15 @@ def summarize_mode(mode: str, data: dict[str, Any]) -> ModeSummary:
         micro_batches_by_rank=tuple(
             sum(s["micro_batches"][r] for s in measured) / n for r in range(ranks)
         ),
+        max_ring=max((s["max_ring_size"] for s in measured), default=None) if "max_ring_size" in measured[0] else None,
+        peak_saved_bytes=(sum(max(s["peak_saved_bytes"]) for s in measured) / n
+                          if measured[0].get("peak_saved_bytes") else None),
+        offloaded_bytes=sum(s.get("offloaded_bytes", 0) for s in measured) / n,
     )
 
 
 def summarize(results: dict[str, Any]) -> dict[str, list[ModeSummary]]:
-    """Per dataset, the summaries of its modes in static, naive, balance order."""
+    """Per dataset, the summaries of its modes in static, naive, balance, offload order."""
     out: dict[str, list[ModeSummary]] = {}
     for name, data in results["datasets"].items():
         modes = [m for m in MODE_ORDER if m in data["modes"]]
@@ -97,6 +110,9 @@ def comparison_rows(summaries: list[ModeSummary]) -> tuple[list[str], list[list[
         "max/mean",
         "P2P MB/step",
         "vs static",
+        "max ring",
+        "peak saved MB",
+        "offloaded MB/step",
         "final loss",
     ]
     rows = []
@@ -112,6 +128,9 @@ def comparison_rows(summaries: list[ModeSummary]) -> tuple[list[str], list[list[
             f"{s.imbalance:.2f}",
             f"{s.p2p_bytes / 1e6:.2f}",
             _ratio(s.p2p_bytes, base.p2p_bytes) if base and base.p2p_bytes > 0 else "-",
+            "-" if s.max_ring is None else str(s.max_ring),
+            "-" if s.peak_saved_bytes is None else f"{s.peak_saved_bytes / 1e6:.2f}",
+            f"{s.offloaded_bytes / 1e6:.2f}",
             f"{s.final_loss:.3f}",
         ])  # fmt: skip
     return headers, rows

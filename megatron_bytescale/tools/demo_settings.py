@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-MODES = ("static", "naive", "balance")
+MODES = ("static", "naive", "balance", "offload")
+"""Every mode the demo knows; ``offload`` is HDP balance with selective activation offload."""
+DEFAULT_MODES = ("static", "naive", "balance")
 DEFAULT_TIMEOUT_MINUTES = 3.0
 BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
 
@@ -23,7 +25,7 @@ class DemoSettings:
 
     datasets: tuple[str, ...] = ("stdlib",)
     """Built-in names (see BUILTIN_DATASETS), a .jsonl file, or a Megatron indexed prefix."""
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     ranks: int = 4
     steps: int = 12
     capacity: int = 512
@@ -41,6 +43,9 @@ class DemoSettings:
     seed: int = 1234
     plan_mode: str = "every_rank"
     offload: bool = False
+    """Add the ``offload`` mode (HDP balance with selective offload) to the comparison."""
+    host_memory_gb: float | None = None
+    """Host memory per rank the offload mode may fill (--bytescale-host-memory-gb)."""
     align: int = 1
     attention_backend: str = "auto"
     check_plan_hash: bool = True

@@ -11,6 +11,7 @@ line per step and a progress bar, and at the end writes ``results.json`` for the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ from .demo_settings import DemoSettings
 
 logger = logging.getLogger(__name__)
 
-MODE_LABELS = {"static": "static DPxCP", "naive": "HDP naive", "balance": "HDP balance"}
+MODE_LABELS = {"static": "static DPxCP", "naive": "HDP naive", "balance": "HDP balance",
+               "offload": "HDP offload"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,8 +208,14 @@ def train_mode(
     cost_model: Any,
     printer: "StepPrinter",
 ) -> dict[str, Any]:
-    """Train ``settings.steps`` steps of one mode from the shared initial weights."""
+    """Train ``settings.steps`` steps of one mode from the shared initial weights.
+
+    Every mode runs with an activation offloader, so the saved activations each rank keeps
+    resident are measured the same way everywhere; only the ``offload`` mode (HDP balance with
+    selective offload) plans ratios above 0, the others keep everything on the "device".
+    """
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.offload import activation_offloader
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
     from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
@@ -218,8 +226,12 @@ def train_mode(
     )
     model.load_state_dict(initial_state)
     ddp, optimizer = wrap_for_hdp(model, lr=settings.lr)
+    offloader = activation_offloader(ddp, min_tensor_bytes=0)
+    mode_config = dataclasses.replace(config, offload=mode == "offload",
+                                      host_memory_gb=settings.host_memory_gb)
     planner = make_step_planner(
-        config, hdp_size=manager.size, cost_model=cost_model, scheduler=mode
+        mode_config, hdp_size=manager.size, cost_model=cost_model,
+        scheduler="balance" if mode == "offload" else mode,
     )
     iterator = HDPDataIterator(
         batches, planner=planner, hdp=manager.hdp, plan_mode=config.plan_mode,
@@ -232,8 +244,10 @@ def train_mode(
         step = next(iterator)
         plan_s = time.perf_counter() - plan_start
         record = run_hdp_step(
-            step, model=ddp, optimizer=optimizer, manager=manager, counters=counters
+            step, model=ddp, optimizer=optimizer, manager=manager, counters=counters,
+            offloader=offloader,
         )
+        offload = record.offload
         mine = {
             "busy_s": record.busy_s, "reduce_wall_s": record.reduce_wall_s,
             "p2p_bytes": record.p2p_bytes, "tokens": record.tokens, "loss_sum": record.loss_sum,
@@ -242,6 +256,8 @@ def train_mode(
             "plan_s": plan_s, "optimizer_wall_s": record.optimizer_wall_s,
             # per micro-batch: order, ring size, tokens held, CPU seconds, wall seconds
             "mb": [[m.order, m.ring_size, m.tokens, m.busy_s, m.wall_s] for m in record.micro_batches],
+            # activation offload: peak resident saved bytes, bytes offloaded, reload wait seconds
+            "offload": [offload.peak_resident_bytes, offload.offloaded_bytes, offload.reload_wait_s],
         }  # fmt: skip
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -290,6 +306,10 @@ def step_row(
         "lengths": [s.length for s in sorted(step.plan.sequences, key=lambda s: s.id)],
         "plan_hash": step.plan.content_hash(),
         "micro_batch_records": [r["mb"] for r in per_rank],
+        "peak_saved_bytes": [r["offload"][0] for r in per_rank] if "offload" in per_rank[0] else None,
+        "offloaded_bytes": sum(r["offload"][1] for r in per_rank) if "offload" in per_rank[0] else 0,
+        "reload_wait_s": [r["offload"][2] for r in per_rank] if "offload" in per_rank[0] else None,
+        "max_ring_size": max(step.plan.ring_sizes(), default=0),
     }
 
 
@@ -332,6 +352,12 @@ class StepPrinter:
             f"P2P {row['p2p_bytes'] / 1e6:6.2f} MB  busy ms [{busy}]  "
             f"mb {'/'.join(str(m) for m in row['micro_batches'])}  rings {rings}"
         )
+        if row.get("peak_saved_bytes"):
+            line += f"  saved {max(row['peak_saved_bytes']) / 1e6:.1f} MB"
+            if row["offloaded_bytes"]:
+                wait_ms = max(row["reload_wait_s"] or [0.0]) * 1e3  # slowest rank
+                line += (f" (offloaded {row['offloaded_bytes'] / 1e6:.1f} MB, reload wait "
+                         f"{wait_ms:.1f} ms)")
         if self.bar:
             sys.stderr.write("\r\x1b[K")
         print(line, flush=True)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scheduler whose plan --json/--plot use (default balance)")
     sched.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
                        help="Eq. 3 selective offload for naive/balance (default on)")
+    sched.add_argument("--host-memory-gb", type=float, default=None,
+                       help="host memory per HDP rank (GB) offloaded activations may fill (default: "
+                            "the cost model's, unlimited unless it sets one)")
     add_scheduling_arguments(sched)
 
     out = p.add_argument_group("output")

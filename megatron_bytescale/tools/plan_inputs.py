@@ -144,6 +144,11 @@ def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
         pp = args.pp_size or model_spec(args.model).pipeline_parallel_size
     if getattr(args, "two_level_ring", False):
         cm = cm.with_(two_level_ring=True)
+    host = getattr(args, "host_memory_gb", None)
+    if host is not None:
+        if not (host > 0 and host != float("inf")):
+            raise ValueError(f"--host-memory-gb ({host}) must be a positive number of GB")
+        cm = cm.with_(host_memory_bytes=host * 1e9)
     return cm, pp
 
 

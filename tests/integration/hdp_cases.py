@@ -11,7 +11,9 @@ of loss tokens. fp32 throughout.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 
 import time
 from typing import Any
@@ -25,6 +27,7 @@ CONTEXT = 256
 GRAD_LENGTHS = [150, 100, 40, 30, 20, 12, 60, 45, 90, 25, 70, 33]
 VOCAB = 256
 TRAIN_STEPS = 20
+RESUME_AT = 5  # the own-loop resume test saves after this many training steps
 SLEEP_S = 0.6
 
 
@@ -271,16 +274,27 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             bytescale_config(scheduler=scheduler), hdp_size=manager.size, cost_model=cm
         )
         iterator = HDPDataIterator(batches, planner=planner, hdp=manager.hdp)
-        losses, counts = [], []
+        losses, counts, hashes, checkpoint = [], [], [], None
         for step in iterator:
             record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
             losses.append(record.loss_sum)
             counts.append(step.num_micro_batches)
+            hashes.append(step.plan_hash)
+            if scheduler == "balance" and RESUME_AT <= step.index < RESUME_AT + 5:
+                out.setdefault("resumed_reference_tokens", []).append(
+                    [mb.tokens.tolist() for mb in step.micro_batch_tensors()])
+            if step.index == RESUME_AT - 1 and scheduler == "balance":  # "save" after 5 steps
+                checkpoint = copy.deepcopy((ddp.state_dict(), optimizer.state_dict(),
+                                            iterator.state_dict()))
         out["train"][scheduler] = {
             "loss_sums": losses,
             "loss_tokens": [sum(n - 1 for n in b.lengths) for b in batches],
             "micro_batch_counts": counts,
+            "plan_hashes": hashes,
         }
+        if checkpoint is not None:
+            out["resume"] = _resume_training(checkpoint, batches, planner, config, initial_state,
+                                             manager)
 
     # -- 3. no barriers: a slow rank, a rank without micro-batches ---------------------------
     lengths = {0: 40, 1: 120, 2: 30, 3: 50, 4: 20, 5: 60}
@@ -343,7 +357,34 @@ def hdp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     except PlanMismatchError as exc:
         out["mismatch"] = str(exc)
     out["planning_failures"] = _planning_failures(good, sequences, manager, rank)
+
+    # -- 6. selective activation offload in training (offload_cases.py) ---------------------
+    from .offload_cases import OFFLOAD_LAYERS, offload_checks
+
+    out["offload"] = offload_checks(rank, manager, sequences, cm.with_(num_layers=OFFLOAD_LAYERS))
     return out
+
+
+def _resume_training(checkpoint, batches, planner, config, initial_state, manager) -> dict:
+    """A fresh model, optimizer and iterator restored from the step-5 checkpoint train steps
+    6-10 (indices 5-9); the test compares them with the uninterrupted run."""
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.schedule import run_hdp_step
+
+    model_state, optimizer_state, iterator_state = checkpoint
+    ddp, optimizer = fresh_model(config, initial_state)
+    ddp.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    iterator = HDPDataIterator(list(batches), planner=planner, hdp=manager.hdp)  # a new source
+    iterator.load_state_dict(iterator_state)
+    steps = []
+    for step in itertools.islice(iterator, 5):
+        record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+        tokens = [mb.tokens.tolist() for mb in step.micro_batch_tensors()]
+        steps.append({"index": step.index, "plan_hash": step.plan_hash,
+                      "loss_sum": record.loss_sum, "tokens": tokens})
+    iterator.close()
+    return {"state": iterator_state, "steps": steps}
 
 
 def _planning_failures(good, sequences, manager, rank: int) -> dict[str, str]:

@@ -134,32 +134,41 @@ def gradient_errors(model, grads: dict[str, torch.Tensor], reference) -> dict[st
     return out
 
 
-def fresh_model(config, reference, *, share_embeddings: bool = False):
-    """This rank's shard / stage of a model with the reference weights, in DDP + optimizer."""
+def fresh_model(config, reference, *, share_embeddings: bool = False, **wrap: Any):
+    """This rank's shard / stage of a model with the reference weights, in DDP + optimizer
+    (``wrap``: more arguments of ``wrap_for_hdp``)."""
     from megatron_bytescale.integration.training import build_gpt_model, wrap_for_hdp
 
     model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT,
                             share_embeddings_and_output_weights=share_embeddings)
     load_reference_weights(model, reference["state"])
-    return wrap_for_hdp(model, lr=1e-3)
+    return wrap_for_hdp(model, lr=1e-3, **wrap)
 
 
-def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None):
+def hdp_step(config, reference, sequences, *, scheduler: str, manager, planner=None,
+             wrap: dict[str, Any] | None = None, inspect=None, offload=None):
     """One HDP step of a fresh model with the reference weights; its record and errors.
 
-    ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth.
+    ``planner`` defaults to ``scheduler`` on 2 HDP ranks for the run's pipeline depth;
+    ``wrap`` goes to ``wrap_for_hdp``; ``inspect(ddp)`` is called after the step;
+    ``offload`` (options of ``integration.activation_offloader``) runs it with an offloader.
     """
+    from megatron_bytescale.integration.offload import activation_offloader
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.integration.schedule import run_hdp_step
 
-    ddp, optimizer = fresh_model(config, reference, share_embeddings=manager.pp_size > 1)
+    ddp, optimizer = fresh_model(config, reference, share_embeddings=manager.pp_size > 1,
+                                 **(wrap or {}))
     if planner is None:
         planner = make_step_planner(two_rank_config(scheduler=scheduler), hdp_size=manager.size,
                                     cost_model=cost_model(), pp_size=manager.pp_size)
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
     grads = grab_grads_before_step(ddp, optimizer)
-    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    offloader = activation_offloader(ddp, **offload) if offload is not None else None
+    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager, offloader=offloader)
+    if inspect is not None:
+        inspect(ddp)
     return step, record, gradient_errors(ddp.module, grads, reference)
 
 
@@ -232,6 +241,15 @@ def tp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- PP 2 x HDP 2
 
 STRESS_PLANS = 30
+
+
+def with_offload_ratio(plan, ratio: float):
+    """``plan`` with every micro-batch offloading ``ratio`` of its activations."""
+    import dataclasses
+
+    ranks = tuple(dataclasses.replace(rp, micro_batches=tuple(
+        dataclasses.replace(mb, offload_ratio=ratio) for mb in rp.micro_batches)) for rp in plan.ranks)
+    return dataclasses.replace(plan, ranks=ranks).validate()
 
 
 def pipeline_plan(lengths: list[int], rows: list[list[tuple[str, int]]]):
@@ -318,23 +336,46 @@ def pp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     out["runs"] = {}
 
     def run(name: str, batch, ref, **kwargs) -> None:
-        step, record, errors = hdp_step(config, ref, batch, manager=manager, **kwargs)
+        sync: dict[str, int] = {}
+
+        def inspect(ddp) -> None:  # with overlap: bucket groups of this stage, and how many ran
+            gate = getattr(ddp, "_bytescale_ordered_grad_sync", None)
+            if gate is not None:
+                sync.update(bucket_groups=len(gate.groups), issued=gate.issued)
+
+        step, record, errors = hdp_step(config, ref, batch, manager=manager, inspect=inspect,
+                                        **kwargs)
         out["runs"][name] = {
+            "grad_sync": sync,
             "ring_sizes": sorted(set(step.plan.ring_sizes())),
             "micro_batch_counts": step.plan.micro_batch_counts(),
             "pp_size": step.plan.pp_size,
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "grad_errors": errors,
+            "offloaded_bytes": record.offload.offloaded_bytes if record.offload else 0,
         }
 
     # 1. PP-Balance: rings across both pipelines, different counts, lengths vary
     run("balance", sequences, reference, scheduler="balance")
+    # 1b. the same with activation offload: 1F1B keeps several forwards in flight, each with its
+    # own offload state (one layer per stage here, so no layer is kept resident)
+    balance = make_step_planner(two_rank_config(scheduler="balance"), hdp_size=2,
+                                cost_model=cost_model(), pp_size=2)
+    run("balance offload", sequences, reference, scheduler="balance",
+        planner=lambda lengths: with_offload_ratio(balance(lengths), 0.5),
+        offload={"keep_resident_layers": 0, "min_tensor_bytes": 0})
     # 2. pipeline 1 runs no micro-batch at all
     rows = [[("local", i) for i in range(len(idle_lengths))], []]
     idle_plan = pipeline_plan(idle_lengths, rows)
     run("idle pipeline", idle_sequences, idle_reference, scheduler="manual",
         planner=lambda _: idle_plan)
+    # 1-2 with overlapped gradient reduction (--overlap-grad-reduce): small buckets give each
+    # stage several bucket groups, issued in one order by both pipelines, the idle one included
+    overlap = dict(overlap_grad_reduce=True, bucket_size=2000)
+    run("balance overlap", sequences, reference, scheduler="balance", wrap=overlap)
+    run("idle pipeline overlap", idle_sequences, idle_reference, scheduler="manual",
+        planner=lambda _: idle_plan, wrap=overlap)
     # 3. a plan made for PP = 1 is refused before anything runs
     flat = make_step_planner(two_rank_config(), hdp_size=2, cost_model=cost_model(), pp_size=1)
     ddp, optimizer = fresh_model(config, reference, share_embeddings=True)

@@ -20,6 +20,7 @@ EXPECTED_FLAGS = {
     "--bytescale-scheduler",
     "--bytescale-offload",
     "--no-bytescale-offload",
+    "--bytescale-host-memory-gb",
     "--bytescale-plan-mode",
     "--bytescale-align",
     "--bytescale-context-length",
@@ -33,6 +34,10 @@ EXPECTED_FLAGS = {
     "--no-bytescale-two-level-ring",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
+    "--bytescale-dataloader",
+    "--bytescale-ray-address",
+    "--bytescale-ray-readers",
+    "--bytescale-ray-lookahead",
 }
 
 
@@ -126,3 +131,43 @@ def test_bad_choice_in_dataclass_names_the_flag():
 def test_argparse_rejects_unknown_choice():
     with pytest.raises(SystemExit):
         _parser().parse_args(["--bytescale-plan-mode", "sometimes"])
+
+
+def test_host_memory_budget_flag():
+    args = _parser().parse_args(["--bytescale-host-memory-gb", "96"])
+    assert ByteScaleConfig.from_args(args).host_memory_gb == 96.0
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match=r"--bytescale-host-memory-gb \(.*\) must be a positive"):
+            ByteScaleConfig.from_args(_parser().parse_args(["--bytescale-host-memory-gb", bad]))
+
+
+def test_the_host_memory_budget_reaches_the_planner():
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.planner.cost_model import CostModel
+
+    cm = CostModel(num_layers=4, alpha1=2e-8, beta1=2e-5, gamma=1e-4, alpha2=1000.0,
+                   d2h_bandwidth=1e10, h2d_bandwidth=1e10, kv_bytes_per_token=64.0,
+                   p2p_bandwidth_intra=5e8, p2p_bandwidth_inter=5e8, ranks_per_node=4)
+    rings = {}
+    for budget in (None, 1e-6):  # 1 KB: no offload fits
+        config = ByteScaleConfig(hdp=True, capacity=64, context_length=256, offload=True,
+                                 scheduler="naive", host_memory_gb=budget)
+        plan = make_step_planner(config, hdp_size=4, cost_model=cm)([150, 30, 20])
+        rings[budget] = plan.ring_sizes()[0]
+        assert plan.estimate.extra["host_memory_bytes"] == (None if budget is None else budget * 1e9)
+    assert rings == {None: 2, 1e-6: 3}
+
+
+def test_the_ray_loader_flags():
+    args = _parser().parse_args(["--bytescale-dataloader", "ray", "--bytescale-ray-address",
+                                 "auto", "--bytescale-ray-readers", "4",
+                                 "--bytescale-ray-lookahead", "3"])
+    options = ByteScaleConfig.from_args(args).ray_loader_options()
+    assert (options.address, options.num_readers, options.lookahead) == ("auto", 4, 3)
+    assert ByteScaleConfig.from_args(_parser().parse_args([])).dataloader == "local"
+    with pytest.raises(ValueError, match="--bytescale-ray-readers \\(0\\) must be >= 1"):
+        ByteScaleConfig(ray_readers=0)
+    with pytest.raises(ValueError, match="rank0_broadcast does not apply to --bytescale-dataloader ray"):
+        ByteScaleConfig(dataloader="ray", plan_mode="rank0_broadcast")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--bytescale-dataloader", "remote"])

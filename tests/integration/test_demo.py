@@ -61,17 +61,23 @@ def test_report_averages_skip_the_warm_up_step_and_compare_with_static():
     assert rows[1][headers.index("P2P MB/step") + 1] == "0.10x"
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    out = tmp_path / "demo"
+def run_small_demo(out, *flags: str, layers: int = 1, steps: int = 3):
+    """``bytescale demo`` with a tiny model; returns the finished process (checked)."""
     command = [
-        sys.executable, "-m", "megatron_bytescale.cli", "demo", "--steps", "3",
-        "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        sys.executable, "-m", "megatron_bytescale.cli", "demo", "--steps", str(steps),
+        "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "2",
         "--num-query-groups", "1", "--ffn-hidden-size", "64", "--bytescale-capacity", "128",
-        "--micro-batches-per-rank", "3", "--out", str(out),
+        "--micro-batches-per-rank", "3", "--out", str(out), *flags,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    done = run_small_demo(out)
     results = json.loads((out / "results.json").read_text())
     modes = results["datasets"]["stdlib"]["modes"]
     assert set(modes) == {"static", "naive", "balance"}
@@ -122,5 +128,25 @@ def test_demo_refuses_flags_it_would_ignore_and_unreadable_cost_models(tmp_path)
         settings_from_args(parser.parse_args(["--bytescale-scheduler", "naive"]))
     with pytest.raises(ValueError, match="--bytescale-cost-model.*missing.json"):
         settings_from_args(parser.parse_args(["--bytescale-cost-model", str(tmp_path / "missing.json")]))
+    with pytest.raises(ValueError, match="--bytescale-dataloader ray serves pretrain_gpt.py"):
+        settings_from_args(parser.parse_args(["--bytescale-dataloader", "ray"]))
     settings = settings_from_args(parser.parse_args(["--bytescale-plan-prefetch", "0"]))
     assert settings.plan_prefetch == 0
+
+
+def test_demo_offload_mode_puts_long_sequences_on_fewer_ranks_with_the_same_loss(tmp_path):
+    """``--bytescale-offload`` adds HDP balance with selective offload next to the other modes."""
+    out = tmp_path / "demo"
+    done = run_small_demo(out, "--modes", "balance", "--bytescale-offload", "--data", "synthetic-byted",
+                          "--no-plot", layers=4, steps=2)
+    results = json.loads((out / "results.json").read_text())
+    modes = results["datasets"]["synthetic-byted"]["modes"]
+    assert set(modes) == {"balance", "offload"}
+    plain, offload = modes["balance"]["steps"], modes["offload"]["steps"]
+    for a, b in zip(plain, offload):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+    assert sum(s["offloaded_bytes"] for s in offload) > 0
+    assert all(s["offloaded_bytes"] == 0 for s in plain)
+    assert max(s["max_ring_size"] for s in offload) < max(s["max_ring_size"] for s in plain)
+    assert all(s["peak_saved_bytes"] for s in plain + offload)
+    assert "HDP offload" in done.stdout and "offloaded MB/step" in done.stdout

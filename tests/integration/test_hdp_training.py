@@ -9,7 +9,7 @@ import pytest
 
 from megatron_bytescale.testing.distributed import run_distributed
 
-from .hdp_cases import CONTEXT, GRAD_LENGTHS, SLEEP_S, TRAIN_STEPS, hdp_rank_body
+from .hdp_cases import CONTEXT, GRAD_LENGTHS, RESUME_AT, SLEEP_S, TRAIN_STEPS, hdp_rank_body
 
 TOLERANCE = 1e-5
 
@@ -98,6 +98,21 @@ def test_training_loss_falls_and_matches_static(results):
     assert any(len({c[i] for c in counts}) > 1 for i in range(TRAIN_STEPS))
 
 
+def test_own_loop_resume_trains_steps_6_to_10_as_the_uninterrupted_run(results):
+    """Train 5 steps, save model + optimizer + ``iterator.state_dict()``, resume in a fresh
+    model and iterator: steps 6-10 have the uninterrupted run's plans, tokens and losses."""
+    for r in results:
+        resume, train = r["resume"], r["train"]["balance"]
+        assert resume["state"] == {"version": 1, "next_step": RESUME_AT}
+        steps = resume["steps"]
+        assert [s["index"] for s in steps] == list(range(RESUME_AT, RESUME_AT + 5))
+        assert [s["plan_hash"] for s in steps] == train["plan_hashes"][RESUME_AT:RESUME_AT + 5]
+        assert [s["tokens"] for s in steps] == r["resumed_reference_tokens"]
+        for s, expected in zip(steps, train["loss_sums"][RESUME_AT:]):
+            assert abs(s["loss_sum"] - expected) <= 1e-5 * max(1.0, abs(expected))
+    assert len(set(results[0]["train"]["balance"]["plan_hashes"])) == TRAIN_STEPS
+
+
 def test_ranks_wait_only_in_the_gradient_reduction(results):
     t = [r["timeline"] for r in results]
     assert [x["micro_batches"] for x in t] == [3, 2, 2, 0]
@@ -167,3 +182,45 @@ def test_core_attention_refuses_what_the_ring_kernel_cannot_do(results):
     assert "causal attention only" in refusals["mask"]
     assert "takes no PackedSeqParams" in refusals["packed"]
     assert "no micro-batch bound" in refusals["unbound"]
+
+
+# -- selective activation offload (offload_cases.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_offload_gives_the_gradients_of_the_run_without_it(results, ratio):
+    """Rings of 3 and 2 and local packs, every micro-batch offloading ``ratio``."""
+    info = [r["offload"]["manual"][ratio] for r in results]
+    assert info[0]["vs_no_offload"] <= 1e-6
+    assert info[0]["vs_reference"] <= TOLERANCE
+    assert all(i["ratios"] == [ratio] for i in info)
+    moved = sum(i["offloaded_bytes"] for i in info)
+    assert (moved > 0) == (ratio > 0)
+    assert all(i["offloaded_bytes"] == i["reloaded_bytes"] for i in info)
+    assert all(i["on_demand_reloads"] == 0 for i in info), "reloads should start a layer ahead"
+    # the step's HDP metrics (Megatron's log line): all ranks' bytes, the largest rank's peak
+    peak = max(i["peak_resident_bytes"] for i in info)
+    for i in info:
+        assert i["hdp"][0] == pytest.approx(moved / 1e6, rel=1e-6)
+        assert i["hdp"][1] == pytest.approx(peak / 1e6, rel=1e-6)
+
+
+def test_offload_lowers_the_measured_peak_of_resident_saved_bytes(results):
+    for r in results:
+        peaks = [r["offload"]["manual"][ratio]["peak_resident_bytes"] for ratio in (0.0, 0.5, 1.0)]
+        assert peaks[0] > peaks[1] > peaks[2] > 0, peaks
+
+
+@pytest.mark.parametrize("scheduler", ["naive", "balance"])
+def test_a_plan_with_offload_uses_fewer_ranks_and_trains_with_reference_gradients(results, scheduler):
+    info = [r["offload"]["planned"][scheduler] for r in results]
+    rings = info[0]["ring_of_longest"]
+    assert rings[True] < rings[False], rings  # the 150-token sequence: 2 ranks instead of 3
+    assert sum(i["offloaded_bytes"] for i in info) > 0
+    assert info[0]["vs_reference"] <= TOLERANCE
+
+
+def test_the_host_pool_stops_growing_in_training(results):
+    for r in results:
+        pools = r["offload"]["planned"]["balance"]["pools"]
+        assert len(set(pools)) == 1, pools

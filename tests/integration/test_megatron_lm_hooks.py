@@ -115,8 +115,12 @@ def test_validate_sets_what_hdp_needs():
     "argv, overrides, flag",
     [
         ((), dict(context_parallel_size=2), "--context-parallel-size 2"),
-        ((), dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
-        ((), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
+        ((), dict(pipeline_model_parallel_size=2, num_layers=4,
+                  num_layers_per_virtual_pipeline_stage=1), "interleaved pipeline stages"),
+        ((), dict(tensor_model_parallel_size=4), "--num-query-groups 2 is not divisible by "
+         "--tensor-model-parallel-size 4"),
+        ((), dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
+         "--decoder-first-pipeline-num-layers"),
         ((), dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
         ((), dict(attention_dropout=0.1), "--attention-dropout 0.1"),
         ((), dict(ddp_average_in_collective=True), "--ddp-average-in-collective"),
@@ -146,10 +150,11 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
 
 def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):
     values = tiny_model_args(mock_data=False, context_parallel_size=2, attention_dropout=0.1,
-                             ddp_average_in_collective=True, pipeline_model_parallel_size=2)
+                             ddp_average_in_collective=True, pipeline_model_parallel_size=2,
+                             num_layers=4, num_layers_per_virtual_pipeline_stage=1)
     argv = ("--bytescale-hdp", "--bytescale-context-length", "512")
     reasons = megatron_lm.hdp_refusals(megatron_namespace(*argv, **values))
-    flags = ["--context-parallel-size 2", "--pipeline-model-parallel-size 2",
+    flags = ["--context-parallel-size 2", "interleaved pipeline stages",
              "--ddp-average-in-collective", "--attention-dropout 0.1", "--data-path",
              "--max-position-embeddings"]
     assert len(reasons) == len(flags)
@@ -486,6 +491,8 @@ def _resume_facts(args) -> dict[str, Any]:
         facts[name] = {
             "hash_moved": first.plan_hash != expected.plan_hash,
             "same_hash": resumed.plan_hash == expected.plan_hash,
+            # steps keep their global index, as an own-loop load_state_dict gives them
+            "global_index": resumed.index == expected.index == k,
             "same_lengths": batch_a.lengths == batch_b.lengths,
             "same_tokens": all(np.array_equal(batch_a.tokens_by_seq[i], batch_b.tokens_by_seq[i])
                                for i in range(len(batch_a.lengths))),

@@ -60,14 +60,15 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
     ok, cp, pp, plain = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
-        [*hdp, "--pipeline-model-parallel-size", "2"],
+        [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+         "--num-layers-per-virtual-pipeline-stage", "1"],
         [*TINY_GPT, "--bytescale-capacity", "128"],
     ], ARGS, world_size=4)
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
     # refusals: one report from rank 0 and exit status 2, no traceback
     assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr
     assert (pp.error, pp.message) == ("SystemExit", "2")
-    assert "--pipeline-model-parallel-size 2" in pp.stderr
+    assert "interleaved pipeline stages" in pp.stderr
     # flag off: Megatron's own behaviour
     assert plain.values["calculate_per_token_loss"] is False
     assert plain.values["dataloader_type"] == "single"
@@ -210,3 +211,20 @@ def test_patched_pretrain_gpt_resumes_from_a_checkpoint(patched_megatron_lm, pre
     assert _train_steps(resumed) == _train_steps(pretrain_runs[2])[2:]
     for a, b in zip(_losses(resumed), straight[2:]):
         assert abs(a - b) / abs(a) <= TOLERANCE
+
+
+def test_the_ray_loader_trains_as_the_local_one(patched_megatron_lm, pretrain_runs, tmp_path):
+    """``--bytescale-dataloader ray`` through the patched pretrain_gpt.py on 2 ranks: rank 0
+    starts a Ray instance and the actors, rank 1 joins them; every loss (training with the
+    ramp-up, on the weighted blend) equals the local loader's run: same plans, same tokens."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("ray") is None:
+        if os.environ.get("BYTESCALE_REQUIRE_RAY"):
+            raise AssertionError("Ray is not installed (bash scripts/test.sh installs it)")
+        pytest.skip("Ray is not installed: pip install 'megatron_bytescale[ray]'")
+    run = _pretrain(patched_megatron_lm, tmp_path, 2, *pretrain_runs["data"],
+                    "--bytescale-capacity", "256", "--bytescale-dataloader", "ray")
+    assert "ray loader" in run
+    assert _losses(run) == _losses(pretrain_runs[2]) and len(_losses(run)) == 4

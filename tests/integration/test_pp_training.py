@@ -38,12 +38,15 @@ def test_rank_maps_come_from_megatrons_groups(results):
         assert len(m["hdp_ranks"]) == 2
 
 
-@pytest.mark.parametrize("run", ["balance", "idle pipeline"])
+@pytest.mark.parametrize("run", ["balance", "balance offload", "idle pipeline",
+                                 "balance overlap", "idle pipeline overlap"])
 def test_pp2_hdp2_gradients_equal_pp1(results, run):
     info = [r["runs"][run] for r in results]
     assert all(i["pp_size"] == 2 for i in info)
     counts = info[0]["micro_batch_counts"]
-    if run == "balance":
+    if run == "balance offload":
+        assert all(i["offloaded_bytes"] > 0 for i in info), "every stage offloads"
+    if run.startswith("balance"):
         assert info[0]["ring_sizes"] == [1, 2], "rings span both pipelines"
         assert counts[0] != counts[1], "pipelines run different numbers of micro-batches"
         ref = results[0]["reference_loss"]
@@ -59,6 +62,19 @@ def test_pp2_hdp2_gradients_equal_pp1(results, run):
         assert len(errors) >= 4
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+
+
+def test_overlapped_reduction_issues_every_bucket_group_on_every_stage(results):
+    """--overlap-grad-reduce with PP: each stage's bucket groups are all issued, in one order,
+    by both pipelines, also by the one that ran no micro-batch (its gradients are checked
+    against the reference above). Megatron's DDP buckets the first stage only (later stages'
+    reductions are off the critical path): one bucket group there."""
+    for r in results:
+        for run in ("balance overlap", "idle pipeline overlap"):
+            sync = r["runs"][run]["grad_sync"]
+            assert sync["bucket_groups"] >= (2 if r["map"]["pp"] == 0 else 1), (r["rank"], sync)
+            assert sync["issued"] == sync["bucket_groups"], (r["rank"], run, sync)
+        assert r["runs"]["balance"]["grad_sync"] == {}  # without overlap nothing is installed
 
 
 def test_tied_embedding_and_lm_head_are_reduced_across_stages(results):

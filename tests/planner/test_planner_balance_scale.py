@@ -14,11 +14,14 @@ free). Widening a long sequence only to twice the work bound (a real regression:
 the Byted batch at 1,024 ranks) fails the 1.1x bound; so would any assignment worse than ~10 %.
 
 With pipeline parallelism the same bound is checked (work bound per stage; the critical path
-crosses every stage forward and backward, so pp times longer). PP-Balance meets it only on the
-GitHub batch at 1,024 ranks today; the other cases are expected failures (``strict``: a fix
-makes them pass and the marker must go), with the measured ratio in the reason. The waste is
-not the assignment (per-pipeline stage work is level to 0.2 % at 64 ranks) but ring
-rendezvous inside 1F1B: members reach a ring's forward at different times and wait.
+crosses every stage forward and backward, so pp times longer). PP-Balance meets it on the
+GitHub batch at 1,024 ranks and on the Byted batch at 1,024 ranks with PP 4; the other cases
+are expected failures (``strict``: a fix makes them pass and the marker must go), with the
+measured ratio in the reason. That bound leaves out what 1F1B itself costs: every pipeline of a
+long ring idles (pp - 1) x that micro-batch's stage time while it crosses the other stages
+(a stage runs only its few in-flight neighbours meanwhile). Counting that fill and drain per
+pipeline (stage work + (pp - 1) x longest micro-batch, averaged over the pipelines) puts
+PP-Balance within 1.00-1.24x of it in these cases (docs/benchmarks.md, section "pipeline").
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ PP_CASES = [
     # (dataset, ranks, pp, measured step / max(work bound, critical path) when it misses)
     ("github", 1024, 2, None),
     ("github", 1024, 4, None),
-    ("byted", 1024, 2, 1.31),
-    ("byted", 1024, 4, 1.24),
+    ("byted", 1024, 2, 1.30),
+    ("byted", 1024, 4, None),
     ("byted", 256, 2, 1.73),
     ("github", 256, 4, 1.35),
     ("github", 64, 2, 1.67),
@@ -133,7 +136,7 @@ PP_CASES = [
 
 def _pp_case(dataset, ranks, pp, missed):
     marks = () if missed is None else pytest.mark.xfail(
-        strict=True, reason=f"PP-Balance measures {missed}x the bound (ring rendezvous in 1F1B)")
+        strict=True, reason=f"PP-Balance measures {missed:.2f}x the bound (1F1B fill and drain of the longest ring)")
     return pytest.param(dataset, ranks, pp, marks=marks, id=f"{dataset}-{ranks}-pp{pp}")
 
 

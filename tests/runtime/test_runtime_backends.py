@@ -205,3 +205,30 @@ def test_p2p_formula_agrees_with_planner_estimate():
         num_layers=cost.num_layers,
     )
     assert plan.estimate is not None and ours == plan.estimate.p2p_bytes > 0
+
+
+def test_lazy_device_metadata_is_copied_without_a_host_wait():
+    """Segment metadata built outside the ring's staging goes to CUDA through pinned memory with
+    ``non_blocking=True`` (a pageable copy synchronises the host); other devices copy plainly."""
+    from megatron_bytescale.runtime.backends.base import host_to_device
+
+    calls = []
+
+    class FakeHost:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((str(device), non_blocking))
+            return "staged"
+
+    assert host_to_device(FakeHost(), torch.device("cuda", 1)) == "staged"
+    assert calls == ["pin", ("cuda:1", True)]
+    calls.clear()
+    host_to_device(FakeHost(), "meta")
+    assert calls == [("meta", False)]
+    seg = Segments(cu_q=(0, 3, 5), cu_k=(0, 3, 5))
+    cu_q, cu_k = seg.tensors(torch.device("meta"))
+    assert cu_q.shape == (3,) and cu_q.dtype == torch.int32 and cu_q.device.type == "meta"
+    assert seg.padded_rows(torch.device("meta")).shape == (5,)

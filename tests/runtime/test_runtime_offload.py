@@ -46,7 +46,7 @@ def run_step(layers, x0, offloader, ratios, *, interleave=False):
     for x, r in zip(inputs, ratios):
         context = offloader.micro_batch(r, num_tokens=T) if offloader else _null()
         with context:
-            h = x
+            h = x * 1.0  # as an embedding would: the first layer's input is not a leaf
             for layer in layers:
                 h = layer(h)
             loss = (h * h).sum()
@@ -172,7 +172,7 @@ def test_tensors_without_a_token_dimension_go_whole_by_running_fraction(x0):
         p.grad = None
     x = x0.clone().requires_grad_()
     with offloader.micro_batch(0.5):  # no num_tokens: no token dimension is known
-        h = x
+        h = x * 1.0
         for layer in layers:
             h = layer(h)
         loss = (h * h).sum()
@@ -263,7 +263,7 @@ def test_streams_are_ordered_like_the_gpu_path_needs(x0):
     offloader = ActivationOffloader(layers, min_tensor_bytes=0, stream_ops=ops)
     x = x0.clone().requires_grad_()
     with offloader.micro_batch(1.0, num_tokens=T):
-        h = x
+        h = x * 1.0
         for layer in layers:
             h = layer(h)
         loss = (h * h).sum()
@@ -286,10 +286,46 @@ def test_streams_are_ordered_like_the_gpu_path_needs(x0):
     # pending events keep the buffers out of the pool until they complete
     assert offloader.pool.allocations == allocations
     with offloader.micro_batch(1.0, num_tokens=T):
-        loss = sum(layer(x0.clone().requires_grad_()).sum() for layer in layers[:1])
+        loss = sum(layer(x0.clone().requires_grad_() * 1.0).sum() for layer in layers[:1])
     assert offloader.pool.allocations > allocations, "reused a buffer whose copy may still run"
     for event in ops.events:
         event.done = True
     loss.backward()
     stats = offloader.end_step()
     assert stats.reload_wait_s >= 0.0 and stats.micro_batches == 2
+
+
+def test_sequence_parallel_rows_are_token_rows_too(x0):
+    """With Megatron's sequence parallelism a TP rank's layernorm region holds T / tp rows."""
+
+    class Half(torch.nn.Module):  # saves a [T/2, 1, H] tensor (the SP region) and a [T, 1, H] one
+        def forward(self, x):
+            return torch.cat([torch.sin(x[: T // 2]) * 2, x[T // 2:]]) * torch.cos(x)
+
+    layers = torch.nn.ModuleList([Half() for _ in range(3)])
+    # saved in layer 0: sin's input (a [T/2] view of x), x (by cos), cat's and cos's outputs
+    for sp, view_rows in ((1, T // 2), (2, T // 4)):  # sp=1: the view goes whole (no token dim)
+        offloader = ActivationOffloader(layers, min_tensor_bytes=0, sequence_parallel_size=sp)
+        x = x0.clone().requires_grad_()
+        with offloader.micro_batch(0.5, num_tokens=T):
+            layers[2](layers[1](layers[0](x * 1.0))).sum().backward()
+        half = T // 2 * H * 4
+        assert offloader.end_step().offloaded_bytes == 3 * half + view_rows * H * 4
+
+
+def test_a_pipeline_stage_input_stays_resident(x0):
+    """A stage's input is a leaf that requires grad: the schedule keeps it until its backward,
+    so offloading it would free nothing."""
+
+    class Square(torch.nn.Module):
+        def forward(self, x):
+            return x * x  # saves x twice (one tensor)
+
+    layers = torch.nn.ModuleList([Square() for _ in range(3)])
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    for leaf, expected in ((True, 0), (False, T * H * 4)):
+        x = x0.clone().requires_grad_()
+        with offloader.micro_batch(1.0, num_tokens=T):
+            out = layers[2](layers[1](layers[0](x if leaf else x * 1.0)))
+        out.sum().backward()
+        assert offloader.end_step().offloaded_bytes == expected

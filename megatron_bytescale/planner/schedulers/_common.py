@@ -55,6 +55,7 @@ class PlanRequest:
             hdp_size=self.hdp_size, align=self.align,
             offload=self.offload if offload is None else offload,
             topology=Topology.of(self.cost_model, self.topology),
+            in_flight=self.pp_size,
         )
 
 
@@ -333,11 +334,31 @@ def apply_hdp_overlong(request: PlanRequest) -> PlanRequest:
     offload when offload is on)."""
     from ..offload import max_fitting_length
 
-    limit = max_fitting_length(capacity=request.capacity, layers=request.layers,
-                               cost_model=request.cost_model, max_ring_size=request.hdp_size,
-                               offload=request.offload, align=request.align)
+    fit = dict(capacity=request.capacity, layers=request.layers, max_ring_size=request.hdp_size,
+               offload=request.offload, align=request.align, in_flight=request.pp_size)
+    limit = max_fitting_length(cost_model=request.cost_model, **fit)
     how = "with full offload " if request.offload and request.layers > 2 else ""
     why = (f"even all {request.hdp_size} HDP ranks {how}hold at most {limit} tokens of one "
            f"sequence at capacity {request.capacity}")
     hint = "Use more HDP ranks or a larger capacity" + ("" if request.offload else ", enable offload")
+    budget = request.cost_model.host_memory_bytes
+    if request.offload and budget is not None and max(request.lengths, default=0) > limit:
+        unlimited = max_fitting_length(cost_model=request.cost_model.with_(host_memory_bytes=None), **fit)
+        if unlimited > limit:
+            longest = min(unlimited, max(request.lengths))
+            need = host_memory_needed(request, longest)
+            why += (f" within the host memory budget of {budget / 1e9:.3g} GB per rank ({longest} "
+                    f"tokens on all ranks need {need / 1e9:.3g} GB of it)")
+            hint = "Raise --bytescale-host-memory-gb (CostModel.host_memory_bytes), use more HDP ranks"
     return apply_overlong(request, limit, why=why, hint=hint)
+
+
+def host_memory_needed(request: PlanRequest, length: int) -> float:
+    """Host bytes per rank a sequence of ``length`` needs on all HDP ranks with the least offload."""
+    from ..offload import host_bytes_per_member, minimal_ratio_for_ring
+
+    unlimited = request.cost_model.with_(host_memory_bytes=None)
+    r = minimal_ratio_for_ring(length, request.hdp_size, capacity=request.capacity, cost_model=unlimited,
+                               layers=request.layers, align=request.align) or 0.0
+    return request.pp_size * host_bytes_per_member(length, request.hdp_size, r, layers=request.layers,
+                                                   cost_model=unlimited, align=request.align)

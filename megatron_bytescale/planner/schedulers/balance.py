@@ -34,8 +34,11 @@ sequence on D(s) ranks from Eq. 3). Then:
    the current bucket, until the next would pass the current max. So a pipeline gets a run of
    similar micro-batches (Insight 1: fewer transition bubbles) and lighter pipelines get more
    of them (Fig. 12). When no pipeline is a target, all are, and each takes at least one unit.
-5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment, the
-   same on Eq. 3's (unwidened) units, and Alg. 1's fill of Eq. 3's units; ``meta["assignment"]``
+   A second candidate counts a pipeline's load as its stage work plus (PP - 1) x its longest
+   micro-batch (the 1F1B fill and drain of that micro-batch, which the pipeline cannot fill
+   beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
+5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
+   loads with PP), the same on Eq. 3's (unwidened) units, and Alg. 1's fill of Eq. 3's units; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
@@ -327,15 +330,39 @@ class _Holes:
 
 # --------------------------------------------------------------------------- PP
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
-               num_buckets: int) -> list[Placement]:
-    """Rings aligned by count groups (widest first), then runs of single-rank units."""
+               num_buckets: int, fill_drain: int = 0) -> list[Placement]:
+    """Rings aligned by count groups (widest first), then runs of single-rank units.
+
+    A pipeline's load is its stage work plus ``fill_drain`` times its longest micro-batch: with
+    ``fill_drain = pp_size - 1`` that is the 1F1B fill and drain (while a long micro-batch
+    crosses the other stages forward and back, a stage only runs its few in-flight neighbours),
+    so pipelines in a long ring take less other work; 0 balances stage work alone.
+    """
     placer = RingPlacer(ctx.nodes, n)
-    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer,
+    load = _PipelineLoad(placer.loads, fill_drain)
+    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load,
                                       lower_bound=sum(u.work for u in units) / n)
-    load = placer.loads.tolist()
+    load.loads = placer.loads.tolist()  # the placer is done; lists index faster
     singles = [u for u in units if u.ring_size == 1]
     placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
     return placements
+
+
+class _PipelineLoad:
+    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch."""
+
+    def __init__(self, loads: np.ndarray, fill_drain: int) -> None:
+        self.loads: np.ndarray | list[float] = loads  # updated in place
+        self.fill_drain = fill_drain
+        self.longest = [0.0] * len(loads)
+
+    def added(self, r: int, t: float) -> float:
+        """How much a micro-batch of stage time ``t`` adds to pipeline ``r``'s load."""
+        return t + self.fill_drain * max(0.0, t - self.longest[r])
+
+    def add(self, r: int, t: float) -> None:
+        self.loads[r] += self.added(r, t)
+        self.longest[r] = max(self.longest[r], t)
 
 
 def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit], widened: int,
@@ -345,7 +372,9 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
     PP, widening trades fewer bubbles for more communication and the estimate decides)."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
-    candidates = [("pp-runs", pp_balance(units, ctx, n, **kw), widened)]
+    candidates = [("pp-runs", pp_balance(units, ctx, n, **kw), widened),
+                  ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw),
+                   widened)]
     if widened:
         candidates.append(("pp-runs-eq3", pp_balance(sorted(eq3_units, key=unit_sort_key), ctx, n, **kw), 0))
     fill = fill_steps_aligned(n, [u for u in eq3_units if u.ring_size > 1],
@@ -361,8 +390,8 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
     return best
 
 
-def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer, *,
-                         lower_bound: float) -> list[Placement]:
+def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
+                         pipeline_load: _PipelineLoad, *, lower_bound: float) -> list[Placement]:
     """Each ring (widest first) on the least-loaded ranks of the count group that frees them
     first, compacted onto the fewest nodes inside that group as in :func:`dp_balance`."""
     load = placer.loads
@@ -392,13 +421,15 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
                 del groups[c]
             count[r] = c + 1
             groups.setdefault(c + 1, set()).add(r)
-            load[r] += t
+            pipeline_load.add(r, t)
         placer.touch(ring)
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
 
 
-def _place_runs(singles: list[Unit], load: list[float], *, delta: float, num_buckets: int) -> list[Placement]:
+def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: float,
+                num_buckets: int) -> list[Placement]:
+    load = pipeline_load.loads
     n = len(load)
     buckets = split_equal_work(singles, num_buckets)
     stream: deque[tuple[int, Unit]] = deque((b, u) for b, bucket in enumerate(buckets) for u in bucket)
@@ -406,7 +437,7 @@ def _place_runs(singles: list[Unit], load: list[float], *, delta: float, num_buc
 
     def give(r: int) -> None:
         _, u = stream.popleft()
-        load[r] += u.time
+        pipeline_load.add(r, u.time)
         placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
 
     while stream:
@@ -419,7 +450,8 @@ def _place_runs(singles: list[Unit], load: list[float], *, delta: float, num_buc
                 break
             bucket = stream[0][0]
             give(r)
-            while stream and stream[0][0] == bucket and load[r] + stream[0][1].time <= max_t:
+            while (stream and stream[0][0] == bucket
+                   and load[r] + pipeline_load.added(r, stream[0][1].time) <= max_t):
                 give(r)
     return placements
 

@@ -88,13 +88,13 @@ class Segments:
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu_q, cu_k)`` as int32 tensors on ``device``, for varlen kernels.
 
-        Served from what :meth:`install` put there; otherwise built here once (a blocking copy
-        on an accelerator: the ring installs them ahead, so its hot path never gets here).
+        Served from what :meth:`install` put there; otherwise built here once with one
+        non-blocking copy (the ring installs them ahead for a whole micro-batch).
         """
         key = str(device)
         if key not in self._tensors:
             host = torch.tensor([self.cu_q, self.cu_k], dtype=torch.int32)
-            self._tensors[key] = tuple(host.to(device).unbind(0))
+            self._tensors[key] = tuple(host_to_device(host, device).unbind(0))
         return self._tensors[key]
 
     def install(self, device: torch.device, cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
@@ -115,8 +115,22 @@ class Segments:
         key = f"padded_rows:{device}"
         if key not in self._tensors:
             rows = [b * self.max_q + j for b, (qa, qb, _, _) in enumerate(self) for j in range(qb - qa)]
-            self._tensors[key] = torch.tensor(rows, dtype=torch.long).to(device)
+            self._tensors[key] = host_to_device(torch.tensor(rows, dtype=torch.long), device)
         return self._tensors[key]
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without the host waiting for the copy.
+
+    On CUDA the values go through pinned memory with ``non_blocking=True``: a pageable copy
+    would synchronise the host with the device (a stall per block, and an error under
+    ``torch.cuda.set_sync_debug_mode("error")``). PyTorch's caching host allocator keeps the
+    pinned block until the copy's stream has passed it, so ``host`` may be dropped at once.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class AttentionBackend(ABC):

@@ -1,0 +1,84 @@
+"""The measurements of ``bytescale profile`` on a real megatron-core model (through calibration).
+
+:class:`MegatronProfileSource` is the :class:`~megatron_bytescale.tools.profile.ProfileSource`
+of a live model: it runs :func:`~.calibration.calibrate_cost_model` (decoder layers only, timed
+per length; activation bytes; the host link; the P2P link and ring step overhead over the HDP
+group) and hands the samples to the profile's fit and report. There is one implementation of
+the measurements, in :mod:`.calibration`; this module only adapts it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_bytescale.planner.profile import Profile, ProfileSamples, profile
+
+from .calibration import calibrate_cost_model
+from .groups import HDPGroupManager
+
+
+class MegatronProfileSource:
+    """Measure ``model`` (a bare ``ByteScaleGPTModel``) on every HDP rank of ``manager``.
+
+    Collective: every HDP rank calls :meth:`measure`; all get the same samples (rank 0's).
+    """
+
+    def __init__(self, model: torch.nn.Module, manager: HDPGroupManager, *, kv_bytes_per_token: float,
+                 dkv_bytes_per_token: float | None = None, repeats: int = 3, vocab_size: int = 256,
+                 host_bytes: int = 64 << 20) -> None:
+        self.model, self.manager = model, manager
+        self.kv_bytes_per_token, self.dkv_bytes_per_token = kv_bytes_per_token, dkv_bytes_per_token
+        self.repeats, self.vocab_size, self.host_bytes = repeats, vocab_size, host_bytes
+
+    def measure(self, lengths: Sequence[int], *,
+                progress: Callable[[str], None] | None = None) -> ProfileSamples:
+        calibration = calibrate_cost_model(
+            self.model, self.manager, lengths=lengths, kv_bytes_per_token=self.kv_bytes_per_token,
+            dkv_bytes_per_token=self.dkv_bytes_per_token, repeats=self.repeats,
+            vocab_size=self.vocab_size, host_bytes=self.host_bytes, progress=progress,
+        )
+        return ProfileSamples(
+            time_samples=calibration.time_samples,
+            activation_samples=calibration.activation_samples,
+            d2h_bandwidth=calibration.d2h_bandwidth,
+            h2d_bandwidth=calibration.h2d_bandwidth,
+            p2p_bandwidth=calibration.p2p_bandwidth,
+            p2p_latency_s=calibration.p2p_latency_s,
+            ring_step_overhead_s=calibration.cost_model.ring_step_overhead_s,
+            device_name=calibration.device_name,
+            hdp_size=self.manager.size,
+        )
+
+
+def kv_bytes_per_token(config: object, *, dkv_wire: str = "accumulator") -> tuple[float, float]:
+    """(K+V, dK+dV) bytes per token per layer one TP rank moves in a ring step.
+
+    K and V travel in the model's dtype; dK/dV in float32 accumulators, or in the K/V dtype with
+    ``dkv_wire="input"`` (``--bytescale-dkv-wire-dtype``).
+    """
+    heads = int(config.num_attention_heads)
+    groups = int(config.num_query_groups or heads)
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    head_dim = int(config.kv_channels or config.hidden_size // heads)
+    element = 2 if (config.bf16 or config.fp16) else 4
+    per = 2 * max(1, groups // tp) * head_dim
+    return float(per * element), float(per * (element if dkv_wire == "input" else 4))
+
+
+def profile_model(model: torch.nn.Module, manager: HDPGroupManager, *, lengths: Sequence[int],
+                  repeats: int = 3, vocab_size: int = 256, dkv_wire: str = "accumulator",
+                  progress: Callable[[str], None] | None = None, **cost_model_fields) -> Profile:
+    """``bytescale profile`` from Python: measure ``model`` at ``lengths``, fit, report.
+
+    Collective over the HDP group. ``cost_model_fields`` go to the fitted :class:`CostModel`
+    (``ranks_per_node``, ``name``, ...); ``num_layers`` and the K/V bytes come from the model.
+    """
+    config = model.config
+    kv, dkv = kv_bytes_per_token(config, dkv_wire=dkv_wire)
+    source = MegatronProfileSource(model, manager, kv_bytes_per_token=kv, dkv_bytes_per_token=dkv,
+                                   repeats=repeats, vocab_size=vocab_size)
+    cost_model_fields.setdefault("num_layers", int(config.num_layers))
+    return profile(source, lengths=lengths, progress=progress, kv_bytes_per_token=kv,
+                   dkv_bytes_per_token=dkv, **cost_model_fields)

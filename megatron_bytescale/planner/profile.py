@@ -1,0 +1,243 @@
+"""``bytescale profile`` as a Python API: measure a model, fit the planner's cost model, judge the fit.
+
+The planner's cost model (:class:`~megatron_bytescale.planner.cost_model.CostModel`) rests on a
+few measured functions of the sequence length s: per-layer forward + backward time
+``T(s) = alpha1 s^2 + beta1 s + gamma`` and activation bytes ``Act(s) = alpha2 s + beta2``, plus
+the host link (offload) and the ring's P2P link. :func:`profile` takes those measurements from a
+:class:`ProfileSource`, fits the model (:meth:`CostModel.fit`) and says how well it fits:
+
+* R^2 of each fit and the relative residual at every measured length;
+* warnings when the fit is poor (R^2 below :data:`MIN_R2`, a residual beyond
+  :data:`MAX_RELATIVE_RESIDUAL`), when the quadratic (attention) term came out as zero (the
+  lengths were too short to see it) or when too few lengths were measured to judge the fit.
+
+Sources: :class:`~megatron_bytescale.integration.profile_source.MegatronProfileSource` measures
+the real megatron-core model through :mod:`~megatron_bytescale.integration.calibration` (one
+implementation of the measurements); :class:`SyntheticSource` plays a known cost model with
+noise, for tests and for checking what the fit can recover. The fitted model is what
+``bytescale plan --cost-model`` and ``--bytescale-cost-model`` read (:meth:`CostModel.save`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from .cost_model import CostModel
+
+MIN_R2 = 0.98
+"""A fit with a lower R^2 (time or activations) gets a warning."""
+MAX_RELATIVE_RESIDUAL = 0.2
+"""A measured length off the fit by more than this fraction gets a warning."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSamples:
+    """Everything a profile measured (per layer, on one rank of one TP group)."""
+
+    time_samples: tuple[tuple[int, float], ...]
+    """(length, seconds per layer, forward + backward)."""
+    activation_samples: tuple[tuple[int, float], ...]
+    """(length, activation bytes per layer)."""
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    p2p_bandwidth: float
+    p2p_latency_s: float
+    ring_step_overhead_s: float = 0.0
+    device_name: str = "cpu"
+    hdp_size: int = 1
+    """Ranks the P2P link and the rings were measured over (1: not measured)."""
+
+
+class ProfileSource(Protocol):
+    """Where measurements come from; :func:`profile` calls :meth:`measure` once."""
+
+    def measure(self, lengths: Sequence[int], *, progress: Progress | None = None) -> ProfileSamples: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitQuality:
+    """How well one fitted function matches its samples."""
+
+    r2: float
+    residuals: tuple[tuple[int, float], ...]
+    """(length, (measured - fitted) / measured) per sample."""
+
+    @property
+    def worst_residual(self) -> float:
+        return max((abs(r) for _, r in self.residuals), default=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A fitted cost model with its samples and the quality of its fit."""
+
+    cost_model: CostModel
+    samples: ProfileSamples
+    time_fit: FitQuality
+    activation_fit: FitQuality
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the cost model, the samples and the fit report."""
+        s = self.samples
+        return {
+            "cost_model": self.cost_model.to_dict(),
+            "samples": {
+                "time": [list(x) for x in s.time_samples],
+                "activation": [list(x) for x in s.activation_samples],
+                "d2h_bandwidth": s.d2h_bandwidth, "h2d_bandwidth": s.h2d_bandwidth,
+                "p2p_bandwidth": s.p2p_bandwidth, "p2p_latency_s": s.p2p_latency_s,
+                "ring_step_overhead_s": s.ring_step_overhead_s, "device": s.device_name,
+                "hdp_size": s.hdp_size,
+            },
+            "fit": {
+                "time_r2": self.time_fit.r2, "time_residuals": [list(x) for x in self.time_fit.residuals],
+                "activation_r2": self.activation_fit.r2,
+                "activation_residuals": [list(x) for x in self.activation_fit.residuals],
+            },
+            "warnings": list(self.warnings),
+        }
+
+
+def profile(source: ProfileSource, *, lengths: Sequence[int], progress: Progress | None = None,
+            **cost_model_fields: Any) -> Profile:
+    """Measure with ``source`` at ``lengths``, fit the cost model, report the fit.
+
+    ``cost_model_fields`` are the fields measurement cannot give (``num_layers``,
+    ``kv_bytes_per_token``, ``dkv_bytes_per_token``, ``ranks_per_node``, ``name``, ...).
+
+    Raises:
+        ValueError: fewer than 3 distinct lengths, or a length < 1.
+    """
+    distinct = sorted({int(n) for n in lengths})
+    if len(distinct) < 3 or distinct[0] < 1:
+        raise ValueError(
+            f"profile needs at least 3 distinct lengths >= 1 to fit T(s) = a s^2 + b s + c, got "
+            f"{list(lengths)}; measure more lengths (--lengths, or --min-length/--max-length)"
+        )
+    samples = source.measure(distinct, progress=progress)
+    return fit_profile(samples, **cost_model_fields)
+
+
+def fit_profile(samples: ProfileSamples, **cost_model_fields: Any) -> Profile:
+    """Fit :class:`CostModel` to ``samples`` (non-negative least squares) and judge the fit."""
+    fields_ = dict(cost_model_fields)
+    fields_.setdefault("name", f"profiled-{samples.device_name}")
+    fields_.setdefault("source", (f"bytescale profile on {samples.device_name} at lengths "
+                                  f"{[n for n, _ in samples.time_samples]}"))
+    p2p = dict(p2p_bandwidth_intra=samples.p2p_bandwidth, p2p_bandwidth_inter=samples.p2p_bandwidth,
+               p2p_latency_s=samples.p2p_latency_s, ring_step_overhead_s=samples.ring_step_overhead_s)
+    if samples.hdp_size < 2:  # nothing measured: keep the caller's (or a neutral) link
+        p2p = {k: fields_.pop(k, v) for k, v in p2p.items()}
+    cost_model = CostModel.fit(
+        samples.time_samples, samples.activation_samples,
+        d2h_bandwidth=samples.d2h_bandwidth, h2d_bandwidth=samples.h2d_bandwidth,
+        **{**p2p, **fields_},
+    )
+    time_fit = fit_quality(samples.time_samples, cost_model.layer_time)
+    activation_fit = fit_quality(samples.activation_samples, cost_model.activation_bytes)
+    return Profile(cost_model=cost_model, samples=samples, time_fit=time_fit,
+                   activation_fit=activation_fit,
+                   warnings=tuple(fit_warnings(cost_model, samples, time_fit, activation_fit)))
+
+
+def fit_quality(samples: Sequence[tuple[int, float]], fitted: Callable[[Any], Any]) -> FitQuality:
+    """R^2 and per-length relative residuals of ``fitted`` against ``samples``."""
+    s = np.asarray([x for x, _ in samples], dtype=np.float64)
+    y = np.asarray([v for _, v in samples], dtype=np.float64)
+    f = np.asarray(fitted(s), dtype=np.float64).reshape(-1)
+    total = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((y - f) ** 2)) / total if total > 0 else 1.0
+    residuals = tuple((int(n), float((v - p) / v) if v else 0.0) for n, v, p in zip(s, y, f))
+    return FitQuality(r2=r2, residuals=residuals)
+
+
+def fit_warnings(cost_model: CostModel, samples: ProfileSamples, time_fit: FitQuality,
+                 activation_fit: FitQuality) -> list[str]:
+    """What a user should know before planning with this fit (empty when it is good)."""
+    out = []
+    for what, fit in (("T(s) (time)", time_fit), ("Act(s) (activations)", activation_fit)):
+        if fit.r2 < MIN_R2:
+            out.append(f"{what} fits poorly: R^2 = {fit.r2:.3f} < {MIN_R2}; the machine may be "
+                       "busy (measure again with more --repeats) or the lengths too few")
+        bad = [(n, r) for n, r in fit.residuals if abs(r) > MAX_RELATIVE_RESIDUAL]
+        if bad:
+            listed = ", ".join(f"{n} tokens {100 * r:+.0f}%" for n, r in bad)
+            out.append(f"{what}: measurements off the fit by more than "
+                       f"{100 * MAX_RELATIVE_RESIDUAL:.0f}%: {listed}")
+    if len(samples.time_samples) < 4:
+        out.append(f"only {len(samples.time_samples)} lengths: a 3-coefficient fit through 3 "
+                   "points always looks perfect; measure at least 4")
+    if cost_model.alpha1 == 0.0:
+        longest = max(n for n, _ in samples.time_samples)
+        out.append(f"the attention (s^2) term fitted to 0: up to {longest} tokens it is not "
+                   "visible; measure longer sequences (--max-length) so long rings are costed right")
+    if samples.hdp_size < 2:
+        out.append("one rank: the P2P link and the ring step overhead were not measured (run "
+                   "with --nproc-per-node >= 2)")
+    return out
+
+
+def format_report(result: Profile) -> str:
+    """The human-readable fit report ``bytescale profile`` prints."""
+    cm, s = result.cost_model, result.samples
+    lines = [
+        f"cost model {cm.name!r} ({cm.num_layers} layers) from {len(s.time_samples)} lengths on "
+        f"{s.device_name}:",
+        f"  T(s)   = {cm.alpha1:.4g} s^2 + {cm.beta1:.4g} s + {cm.gamma:.4g}  seconds per layer, "
+        f"fwd+bwd   (R^2 {result.time_fit.r2:.4f})",
+        f"  Act(s) = {cm.alpha2:.4g} s + {cm.beta2:.4g}  bytes per layer   "
+        f"(R^2 {result.activation_fit.r2:.4f})",
+        f"  host link D2H {s.d2h_bandwidth / 1e9:.2f} GB/s, H2D {s.h2d_bandwidth / 1e9:.2f} GB/s",
+    ]
+    if s.hdp_size >= 2:
+        lines.append(f"  ring P2P {s.p2p_bandwidth / 1e9:.3f} GB/s, latency {s.p2p_latency_s * 1e6:.0f} us, "
+                     f"ring step overhead {s.ring_step_overhead_s * 1e3:.3f} ms per layer "
+                     f"(over {s.hdp_size} ranks)")
+    lines.append("  length    time/layer      fit    resid   act/layer        fit    resid")
+    act = dict(s.activation_samples)
+    t_res, a_res = dict(result.time_fit.residuals), dict(result.activation_fit.residuals)
+    for n, t in s.time_samples:
+        a = act.get(n, math.nan)
+        lines.append(
+            f"  {n:>6}  {t * 1e3:9.3f} ms {cm.layer_time(n) * 1e3:9.3f}  {100 * t_res.get(n, 0):+5.1f}%"
+            f"  {a / 1e6:8.3f} MB {cm.activation_bytes(n) / 1e6:9.3f}  {100 * a_res.get(n, 0):+5.1f}%"
+        )
+    lines += [f"WARNING: {w}" for w in result.warnings]
+    return "\n".join(lines)
+
+
+class SyntheticSource:
+    """Measurements played from a known cost model with multiplicative noise (tests, what-ifs)."""
+
+    def __init__(self, truth: CostModel, *, noise: float = 0.0, seed: int = 0, hdp_size: int = 2,
+                 device_name: str = "synthetic") -> None:
+        if noise < 0:
+            raise ValueError(f"noise ({noise}) must be >= 0 (a relative standard deviation)")
+        self.truth, self.noise, self.hdp_size, self.device_name = truth, noise, hdp_size, device_name
+        self._rng = np.random.default_rng(seed)
+
+    def _noisy(self, value: float) -> float:
+        return float(value * (1.0 + self.noise * self._rng.standard_normal())) if self.noise else float(value)
+
+    def measure(self, lengths: Sequence[int], *, progress: Progress | None = None) -> ProfileSamples:
+        t = self.truth
+        time_samples, activation_samples = [], []
+        for i, n in enumerate(lengths):
+            time_samples.append((int(n), self._noisy(t.layer_time(n))))
+            activation_samples.append((int(n), self._noisy(t.activation_bytes(n))))
+            if progress is not None:
+                progress(f"{i + 1}/{len(lengths)} lengths: {n} tokens")
+        return ProfileSamples(
+            time_samples=tuple(time_samples), activation_samples=tuple(activation_samples),
+            d2h_bandwidth=t.d2h_bandwidth, h2d_bandwidth=t.h2d_bandwidth,
+            p2p_bandwidth=t.p2p_bandwidth_intra, p2p_latency_s=t.p2p_latency_s,
+            ring_step_overhead_s=t.ring_step_overhead_s, device_name=self.device_name,
+            hdp_size=self.hdp_size,
+        )

@@ -1,0 +1,203 @@
+"""``bytescale profile``: measure this model on this machine and write the planner's cost model.
+
+On the current device (CUDA if there is one, else CPU with gloo) it builds the real megatron-core
+GPT from the usual model flags (``--num-layers``, ``--hidden-size``, ...), measures per-layer
+forward + backward time of the decoder layers and activation bytes over a range of lengths, the
+host link (D2H / H2D) and, with two or more ranks, the ring's P2P bandwidth, latency and step
+overhead over the HDP group; then it fits the cost model, prints the fit quality (R^2, residual
+per length, warnings) and writes the JSON that ``bytescale plan --cost-model`` and
+``--bytescale-cost-model`` read. Run it under ``torchrun`` (one process per GPU), or let it start
+``--nproc-per-node`` processes itself. The measurements are :mod:`..integration.calibration`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = "cost_model.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_bytescale.integration.config import add_bytescale_args
+
+    parser = argparse.ArgumentParser(
+        prog="bytescale profile",
+        description="Measure the model of these flags on this machine and fit the planner's cost model "
+                    "(T(s), Act(s), host link, ring P2P); print the fit quality and write the JSON that "
+                    "bytescale plan --cost-model / --bytescale-cost-model read.",
+    )
+    model = parser.add_argument_group("model (Megatron's flags)")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--num-attention-heads", type=int, default=8)
+    model.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA); default: no GQA")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    model.add_argument("--seq-length", type=int, default=2048, help="longest length measured by default")
+    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    model.add_argument("--vocab-size", type=int, default=256, help="embedding rows (not timed)")
+    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    precision = model.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    run = parser.add_argument_group("profile")
+    run.add_argument("--lengths", default=None,
+                     help="comma-separated sequence lengths to time (default: --num-lengths lengths from "
+                          "--min-length to --max-length, geometric)")
+    run.add_argument("--min-length", type=int, default=None, help="default: --max-length / 32")
+    run.add_argument("--max-length", type=int, default=None, help="default: --seq-length")
+    run.add_argument("--num-lengths", type=int, default=6)
+    run.add_argument("--repeats", type=int, default=3, help="timings per length, best kept (default 3)")
+    run.add_argument("--nproc-per-node", type=int, default=None,
+                     help="processes to start when not under torchrun (default: the GPUs, or 2 on CPU; "
+                          "one process measures no P2P link)")
+    run.add_argument("--out", default=DEFAULT_OUT, help="cost model JSON to write (default %(default)s)")
+    run.add_argument("--report", default=None, metavar="FILE.json",
+                     help="also write the samples and the fit report as JSON")
+    run.add_argument("--seed", type=int, default=1234)
+    add_bytescale_args(parser)
+    return parser
+
+
+def profile_lengths(args: argparse.Namespace) -> list[int]:
+    """The lengths to measure; ValueError names the flag."""
+    if args.lengths:
+        try:
+            lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
+        except ValueError:
+            raise ValueError(f"--lengths {args.lengths!r} must be comma-separated integers") from None
+    else:
+        top = args.max_length or args.seq_length
+        low = args.min_length or max(16, top // 32)
+        if args.num_lengths < 3 or not 1 <= low < top:
+            raise ValueError(f"--min-length ({low}) must be below --max-length ({top}) and "
+                             f"--num-lengths ({args.num_lengths}) at least 3")
+        lengths = sorted({int(round(low * (top / low) ** (i / (args.num_lengths - 1))))
+                          for i in range(args.num_lengths)})
+    positions = args.max_position_embeddings or args.seq_length
+    if len(lengths) < 3 or lengths[0] < 1 or lengths[-1] > positions:
+        raise ValueError(f"lengths {lengths}: need at least 3 distinct lengths between 1 and "
+                         f"--max-position-embeddings ({positions})")
+    return lengths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        lengths = profile_lengths(args)
+        if args.repeats < 1:
+            raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "WORLD_SIZE" in os.environ:
+        return run_worker(args, lengths)
+    return launch(args, list(sys.argv[1:] if argv is None else argv))
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them."""
+    import torch
+
+    nproc = args.nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), "-m", "megatron_bytescale.tools.profile_cmd", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    completed = subprocess.run(command, env=env, check=False)
+    if completed.returncode != 0:
+        print(f"bytescale profile: the workers failed (exit code {completed.returncode}); see above",
+              file=sys.stderr)
+    return completed.returncode
+
+
+def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
+    """One rank: set up Megatron for HDP, build the model, profile it; rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_bytescale.integration.config import ByteScaleConfig
+
+    config = ByteScaleConfig.from_args(args)
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("nccl" if on_cuda else "gloo")
+    try:
+        result = _profile(args, config, lengths, on_cuda=on_cuda)
+        if dist.get_rank() == 0:
+            _report(args, result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cuda: bool) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_bytescale.integration.groups import initialize_hdp_model_parallel
+    from megatron_bytescale.integration.profile_source import profile_model
+    from megatron_bytescale.integration.training import (
+        build_gpt_model,
+        make_transformer_config,
+        seed_model_parallel,
+    )
+
+    if not on_cuda:
+        from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
+
+        enable_cpu_megatron()
+    tp = args.tensor_model_parallel_size
+    manager = initialize_hdp_model_parallel(tensor_model_parallel_size=tp,
+                                            attention_backend=config.ring_attention_backend,
+                                            dkv_wire=config.dkv_wire_dtype)
+    seed_model_parallel(args.seed)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    model_config = make_transformer_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=tp,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=dtype,
+    )  # fmt: skip
+    model = build_gpt_model(model_config, vocab_size=args.vocab_size,
+                            max_sequence_length=args.max_position_embeddings or args.seq_length)
+    start = time.perf_counter()
+    rank0 = dist.get_rank() == 0
+
+    def progress(message: str) -> None:
+        if rank0:
+            print(f"[bytescale profile {time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr,
+                  flush=True)
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    progress(f"{args.num_layers}-layer GPT on {manager.size} HDP rank(s), lengths {lengths}")
+    return profile_model(model, manager, lengths=lengths, repeats=args.repeats,
+                         vocab_size=args.vocab_size, dkv_wire=config.dkv_wire_dtype, progress=progress,
+                         ranks_per_node=max(1, local // tp))
+
+
+def _report(args: argparse.Namespace, result: Any) -> None:
+    from megatron_bytescale.planner.profile import format_report
+
+    print(format_report(result))
+    result.cost_model.save(args.out)
+    print(f"cost model: {args.out}  (bytescale plan --cost-model {args.out}; "
+          f"pretrain_gpt.py --bytescale-cost-model {args.out})")
+    if args.report:
+        Path(args.report).write_text(json.dumps(result.to_dict(), indent=1) + "\n", encoding="utf-8")
+        print(f"report:     {args.report}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

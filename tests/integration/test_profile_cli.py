@@ -1,0 +1,53 @@
+"""``bytescale profile`` end to end on CPU: two gloo ranks measure a small megatron-core GPT, write
+a cost model, and ``bytescale plan --cost-model`` plans with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bytescale.planner.cost_model import CostModel
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "256"]
+
+
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_profile_writes_a_cost_model_that_plan_reads(tmp_path):
+    out, report = tmp_path / "cm.json", tmp_path / "report.json"
+    done = _run(["profile", *MODEL, "--lengths", "32,64,128,256", "--repeats", "1",
+                 "--nproc-per-node", "2", "--out", str(out), "--report", str(report)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cm = CostModel.load(out)
+    assert cm.num_layers == 2 and cm.name == "profiled-cpu"
+    assert cm.alpha2 > 0 and cm.d2h_bandwidth > 0 and cm.p2p_latency_s > 0  # measured over 2 ranks
+    data = json.loads(report.read_text())
+    assert [n for n, _ in data["samples"]["time"]] == [32, 64, 128, 256]
+    assert data["samples"]["hdp_size"] == 2
+    assert "R^2" in done.stdout and "cost model:" in done.stdout
+    assert "4/4 lengths" in done.stderr  # the progress display
+    plan = _run(["plan", "--cost-model", str(out), "--synthetic", "byted", "--global-tokens", "20000",
+                 "--hdp-size", "4", "--capacity", "256", "--context-length", "1024", "--quiet"])
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "profiled-cpu" in plan.stdout
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--lengths", "32,64"], "at least 3 distinct lengths"),
+    (["--lengths", "32,x,64"], "comma-separated integers"),
+    (["--lengths", "32,64,4096"], "--max-position-embeddings"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_input_is_refused_before_any_process_starts(bad, message):
+    done = _run(["profile", *MODEL, *bad], timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
