@@ -209,7 +209,8 @@ TARGETS = [
             "x__best_dp_assignment", "x__makespan", "x_dp_balance", "x__place_ring", "xǁ_Holesǁ*"),
            ("tests/planner/test_planner_balance_units.py",
             "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
-            "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py")),
+            "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py",
+            "tests/planner/test_two_level_cost.py")),
     Target("online_softmax", "runtime/online_softmax.py", "megatron_bytescale/runtime/online_softmax.py",
            ("*",), ("tests/runtime/test_runtime_online_softmax.py",)),
     Target("loss", "integration/schedule.py (token-level loss, config guard)",
@@ -317,6 +318,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "computes one step more than asked: every size depends only on the samples consumed before it"),
     ("*batch_schedule.xǁGlobalBatchScheduleǁ_extend__*", r"consistency_check=False\)  ->  .*consistency_check=None\)",
      "None is as false as False"),
+    ("*balance.x_plan_balance__*", r"estimate_plan\(plan, cm, request\.topology\)\)  ->  .*estimate_plan\(plan, cm, (None)?\)\)",
+     "each plan records its topology in meta['topology'], which estimate_plan reads when it is "
+     "given none"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),
@@ -467,10 +471,11 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
     unjustified = sum(state[k]["unjustified"] for k in known)
     total = sum(state[k]["mutants"] for k in known)
     minutes = sum(float(state[k]["row"][-1]) for k in known)
+    workers = " or ".join(str(w) for w in sorted({state[k].get("workers", max_children) for k in known}))
     body = (
         "### Mutation check (mutmut)\n\n"
         f"`scripts/mutation_check.py --part mutmut`: mutmut 3 over the functions named in the script, "
-        f"{total} mutants, {minutes:.0f} min of mutant runs with {max_children} workers (plus about "
+        f"{total} mutants, {minutes:.0f} min of mutant runs with {workers} workers (plus about "
         "a minute per target to generate mutants and map tests); a timeout counts as detected (the "
         f"mutant made a test hang). Per-target results: `{RESULTS.relative_to(ROOT)}`. "
         + machine_line() + "\n\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.data.synthetic import synthetic_lengths
-from megatron_bytescale.planner.estimate import micro_batch_costs
+from megatron_bytescale.planner.estimate import estimate_plan, micro_batch_costs
 from megatron_bytescale.planner.plan import PlanBuilder
 from megatron_bytescale.planner.presets import preset_cost_model
 from megatron_bytescale.planner.schedulers import make_plan
@@ -82,3 +82,31 @@ def test_two_level_planning_whole_nodes_and_never_slower(dataset):
             assert topo.two_level_group(ring) == 8, len(ring)
     if dataset == "github":
         assert flat.estimate.step_time_s / two.estimate.step_time_s >= 1.2
+
+
+@pytest.mark.parametrize("dataset, hdp_size, context, winner", [
+    ("github", 64, 262144, "two-level"),  # its long sequences are network-bound on flat rings
+    ("github", 32, 262144, "flat"),  # whole-node widening loses more balance than it saves
+    ("byted", 8, 65536, "tie"),  # no ring spans two nodes: both sizings give the same plan
+])
+def test_two_level_planning_keeps_the_faster_sizing(dataset, hdp_size, context, winner):
+    """With two-level rings on, balance plans both sizings and keeps the one the two-level cost
+    estimates faster; on a tie it keeps the two-level sizing that was asked for. The flat-sized
+    plan is the flag-off plan, re-estimated here with the two-level cost (each ring as it runs);
+    the winners were measured once and are explained in the parameter comments."""
+    cm = preset_cost_model("llama-7b")
+    two = cm.with_(two_level_ring=True)
+    topo = Topology(ranks_per_node=8)
+    lengths = synthetic_lengths(dataset, hdp_size * 2**15, seed=0, max_length=context)
+    kw = dict(scheduler="balance", hdp_size=hdp_size, capacity=8192, context_length=context, topology=topo)
+    flat = make_plan(lengths, cost_model=cm, **kw)
+    got = make_plan(lengths, cost_model=two, **kw)
+    assert "ring_sizing" not in flat.meta
+    flat_cost = estimate_plan(flat, two, topo).step_time_s
+    assert got.estimate == estimate_plan(got, two, topo)
+    assert got.meta["ring_sizing"] == ("flat" if winner == "flat" else "two-level")
+    same_as_flat = [rp.micro_batches for rp in got.ranks] == [rp.micro_batches for rp in flat.ranks]
+    if winner == "two-level":
+        assert got.estimate.step_time_s < flat_cost * (1 - 1e-3) and not same_as_flat
+    else:
+        assert got.estimate.step_time_s == flat_cost and same_as_flat

@@ -86,8 +86,9 @@ def plan_balance(request: PlanRequest) -> StepPlan:
     With two-level rings (``cost_model.two_level_ring``) long rings are sized in whole nodes and
     costed two-level; the plan sized as for flat rings is planned too, both are estimated with
     the two-level cost (each ring as it will run: two-level on whole nodes, else flat) and the
-    faster is kept (``meta["ring_sizing"]``), so turning two-level rings on never makes a plan
-    slower by the estimate (list scheduling can lose on differently shaped units).
+    faster is kept (``meta["ring_sizing"]``; on a tie the two-level sizing that was asked for),
+    so turning two-level rings on never makes a plan slower by the estimate (list scheduling can
+    lose on differently shaped units).
     """
     cm = request.cost_model
     if not cm.two_level_ring:
