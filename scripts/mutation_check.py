@@ -200,9 +200,6 @@ TARGETS = [
            ("x_pipeline_ops", "x_rank_orders", "x__barrier_segments", "x_simulate", "x_check_deadlock_free"),
            ("tests/planner/test_planner_order_by_hand.py", "tests/planner/test_planner_order_estimate.py",
             "tests/integration/test_guards.py")),
-    # PP-Balance (pp_balance, _best_pp_plan, _place_rings_aligned, _place_runs) is left out: it
-    # misses the quality bound today (strict xfail in test_planner_balance_scale.py), and pinning
-    # its current output with tests would freeze a placement that is known to need work
     Target("balance", "planner/schedulers/balance.py (widening, DP-Balance)",
            "megatron_bytescale/planner/schedulers/balance.py",
            ("x_plan_balance", "x_widen_for_balance", "x__smallest_ring_under", "x__ring_grid",
@@ -211,6 +208,13 @@ TARGETS = [
             "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
             "tests/planner/test_planner_schedulers.py", "tests/planner/test_topology_placement.py",
             "tests/planner/test_two_level_cost.py")),
+    Target("pp_balance", "planner/schedulers/balance.py (PP-Balance)",
+           "megatron_bytescale/planner/schedulers/balance.py",
+           ("x_pp_balance", "x__best_pp_plan", "x__place_rings_aligned", "x__place_runs", "xǁ_PipelineLoadǁ*"),
+           ("tests/planner/test_planner_pp_balance.py",
+            "tests/planner/test_planner_balance_units.py",
+            "tests/planner/test_planner_balance_scale.py::test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds",
+            "tests/planner/test_planner_schedulers.py")),
     Target("online_softmax", "runtime/online_softmax.py", "megatron_bytescale/runtime/online_softmax.py",
            ("*",), ("tests/runtime/test_runtime_online_softmax.py",)),
     Target("loss", "integration/schedule.py (token-level loss, config guard)",
@@ -321,6 +325,11 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x_plan_balance__*", r"estimate_plan\(plan, cm, request\.topology\)\)  ->  .*estimate_plan\(plan, cm, (None)?\)\)",
      "each plan records its topology in meta['topology'], which estimate_plan reads when it is "
      "given none"),
+    ("*balance.x__place_rings_aligned__*", r"if best is None or score < best\[0\]:  ->  .*score <= best\[0\]:",
+     "a score is (load, count group) and every group is scored once: two scores are never equal"),
+    ("*balance.x__place_rings_aligned__*", r"np\.zeros\(n, dtype=bool\)  ->  .*np\.zeros\(n, (dtype=None)?\)",
+     "the mask is only read by np.where and np.append(..., False), which treat a float 0/1 array "
+     "as the boolean one"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),

@@ -1,0 +1,161 @@
+"""PP-Balance's pieces on hand-made units with times computed by hand.
+
+The linear cost model of ``test_planner_balance_units.py`` (1 ms per padded token per member,
+free links, one layer, 4 ranks per node): a sequence of L tokens on a ring of D takes
+``2 * D * ceil(L / 2D) / D`` ms per member, a single L ms. A pipeline's load is its stage work
+plus ``fill_drain`` x its longest micro-batch; every trace below is worked out in the docstring.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bytescale.planner.schedulers import make_plan
+from megatron_bytescale.planner.schedulers.balance import pp_balance
+from megatron_bytescale.planner.sharding import ShardingContext, Unit
+from planner_cases import small_cost_model
+
+CM = small_cost_model(num_layers=1, alpha1=0.0, beta1=1e-3, gamma=0.0, p2p_bandwidth_inter=1e30,
+                      p2p_bandwidth_intra=1e30, p2p_latency_s=0.0, ring_step_overhead_s=0.0)
+
+
+def ctx(n: int) -> ShardingContext:
+    return ShardingContext(capacity=1000, layers=1, cost_model=CM, hdp_size=n, offload=False)
+
+
+def unit(seq: int, length: int, ring: int = 1, ratio: float = 0.0) -> Unit:
+    time = 2 * ring * -(-length // (2 * ring)) / ring * 1e-3 if ring > 1 else length * 1e-3
+    return Unit(seqs=(seq,), lengths=(length,), ring_size=ring, min_ring_size=ring, time=time,
+                offload_ratio=ratio)
+
+
+def by_rank(placements, n):
+    """Sequence ids per rank, in placement order."""
+    out = [[] for _ in range(n)]
+    for p in placements:
+        for r in p.ring:
+            out[r].append(p.seqs[0])
+    return out
+
+
+def loads(placements, units, n, fill_drain=0):
+    """Per-pipeline load recomputed independently: stage work + fill_drain x longest."""
+    t = {u.seqs[0]: u.time for u in units}
+    per = by_rank(placements, n)
+    return [sum(t[s] for s in seqs) + fill_drain * max((t[s] for s in seqs), default=0.0) for seqs in per]
+
+
+UNITS = [unit(0, 2000, ring=2), unit(1, 1200, ring=2), unit(2, 500), unit(3, 400), unit(4, 300),
+         unit(5, 200), unit(6, 100)]
+
+
+def test_rings_widest_first_then_runs_below_the_threshold():
+    """Rings R (seq 0, 1.0 s) and S (seq 1, 0.6 s) of 2; singles 0.5, 0.4, 0.3, 0.2, 0.1.
+
+    R takes the least-loaded ranks 0, 1; S the count group of ranks that ran no ring: 2, 3.
+    Loads 1, 1, 0.6, 0.6. Runs (delta 0, one bucket): max 1.0, ranks under it: 2, 3. Rank 2
+    gets 0.5 (1.1; + 0.4 would pass 1.0), rank 3 gets 0.4 (1.0). Max 1.1: ranks 0, 1, 3 at
+    1.0 get 0.3, 0.2, 0.1 (one each: a second would pass 1.1). Loads 1.3, 1.2, 1.1, 1.1.
+    """
+    placements = pp_balance(UNITS, ctx(4), 4, delta=0.0, num_buckets=1)
+    assert by_rank(placements, 4) == [[0, 4], [0, 5], [1, 2], [1, 3, 6]]
+    assert [p.ring for p in placements[:2]] == [(0, 1), (2, 3)]
+    assert loads(placements, UNITS, 4) == pytest.approx([1.3, 1.2, 1.1, 1.1])
+
+
+def test_the_lightest_pipeline_goes_first_and_a_run_continues():
+    """Singles 0.6, 0.5, 0.3 on 2 empty pipelines (delta 0.3): no pipeline is under the
+    threshold (max 0), so both are targets and each takes one (0.6 on 0, 0.5 on 1; a second
+    would pass the max 0). Then max 0.6, threshold 0.42: none under it, so both are targets,
+    lightest first: 0.3 goes to pipeline 1 (0.5), not 0 (0.6).
+
+    A ring R of 2 (2,500 tokens: 1.25 s) takes pipelines 0, 1; singles 0.5 then 0.4 (delta 0.3):
+    max 1.25, threshold 0.875, targets 2 and 3. Pipeline 2 takes 0.5 and, as a run in the same
+    bucket, 0.4 too (0.9 <= 1.25), so pipeline 3 stays empty.
+    """
+    singles = [unit(0, 600), unit(1, 500), unit(2, 300)]
+    assert by_rank(pp_balance(singles, ctx(2), 2, delta=0.3, num_buckets=1), 2) == [[0], [1, 2]]
+    units = [unit(0, 2500, ring=2), unit(2, 500), unit(1, 400)]
+    assert by_rank(pp_balance(units, ctx(4), 4, delta=0.3, num_buckets=1), 4) == [[0], [0], [2, 1], []]
+
+
+def test_a_run_stops_at_its_bucket_and_offload_ratios_are_kept():
+    """A ring of 2 (1,800 tokens: 0.9 s) on pipelines 0, 1; singles 0.5 and 0.4 (offload ratio
+    0.25) in 3 buckets of equal work: [0.5], [0.4]. Pipeline 2 takes 0.5, and 0.4 would fit
+    under the max (0.9) but is in the next bucket, so pipeline 3 takes it. Every placement
+    keeps its unit's offload ratio (the ring's 0.5 too)."""
+    units = [unit(0, 1800, ring=2, ratio=0.5), unit(2, 500, ratio=0.25), unit(1, 400, ratio=0.25)]
+    placements = pp_balance(units, ctx(4), 4, delta=0.1, num_buckets=3)
+    assert by_rank(placements, 4) == [[0], [0], [2], [1]]
+    assert [(p.seqs[0], p.offload_ratio) for p in placements] == [(0, 0.5), (2, 0.25), (1, 0.25)]
+
+
+def test_a_run_may_reach_the_max_but_not_pass_it():
+    """Singles 0.9, 0.8, 0.5, 0.3, 0.1 on 3 pipelines (delta 0.3). Round 1 (max 0, all targets):
+    0.9, 0.8, 0.5 one each. Round 2: max 0.9, threshold 0.63, target pipeline 2 (0.5): it takes
+    0.3 (0.8) and 0.1, which brings it exactly to the max 0.9."""
+    units = [unit(3, 900), unit(4, 800), unit(2, 500), unit(0, 300), unit(1, 100)]
+    assert by_rank(pp_balance(units, ctx(3), 3, delta=0.3, num_buckets=1), 3) == [[3], [4], [2, 0, 1]]
+
+
+def test_a_pipeline_at_the_threshold_is_not_a_target():
+    """A ring of 3 (2,000 tokens: 0.668 s) with fill_drain 1 loads pipelines 0-2 with
+    0.668 + 0.668 = 1.336. Singles 0.4 and 0.1 in buckets [0.4], [0.1]; delta 0, so the threshold
+    is the max 1.336, which pipelines 0-2 sit at: only pipeline 3 is a target, in both rounds
+    (0.4 + 0.4 = 0.8, then 0.1 + 0 = 0.1 more, since 0.1 is not its longest)."""
+    units = [unit(0, 2000, ring=3), unit(2, 400), unit(1, 100)]
+    placements = pp_balance(units, ctx(4), 4, delta=0.0, num_buckets=3, fill_drain=1)
+    assert by_rank(placements, 4) == [[0], [0], [0], [2, 1]]
+    assert loads(placements, units, 4, fill_drain=1) == pytest.approx([1.336, 1.336, 1.336, 0.9])
+
+
+def test_fill_drain_charges_each_pipeline_its_longest_micro_batch():
+    """fill_drain 3, singles 0.8, 0.7, 0.2, 0.1 on 2 pipelines (delta 0): 0.8 on pipeline 0
+    (load 0.8 + 3 x 0.8 = 3.2), 0.7 on 1 (2.8). Round 2: max 3.2, target pipeline 1: 0.2 adds
+    only 0.2 (shorter than its longest, 0.7), then 0.1 (3.1 <= 3.2) in the same run.
+
+    fill_drain 1, a ring of 2 (800 tokens: 0.4 s) on pipelines 0, 1 (load 0.8); singles 0.3 and
+    0.1: pipeline 2 takes 0.3 (0.3 + 0.3 = 0.6) and then 0.1 (0.7 <= 0.8), pipeline 3 nothing."""
+    units = [unit(2, 800), unit(0, 700), unit(1, 200), unit(3, 100)]
+    placements = pp_balance(units, ctx(2), 2, delta=0.0, num_buckets=1, fill_drain=3)
+    assert by_rank(placements, 2) == [[2], [0, 1, 3]]
+    assert loads(placements, units, 2, fill_drain=3) == pytest.approx([3.2, 3.1])
+    units = [unit(0, 800, ring=2), unit(1, 300), unit(2, 100)]
+    placements = pp_balance(units, ctx(4), 4, delta=0.0, num_buckets=1, fill_drain=1)
+    assert by_rank(placements, 4) == [[0], [0], [1, 2], []]
+    assert loads(placements, units, 4, fill_drain=1) == pytest.approx([0.8, 0.8, 0.7, 0.0])
+
+
+def test_a_ring_moves_onto_one_node_inside_its_count_group():
+    """6 pipelines on 2 nodes (0-3, 4-5). A ring of 3 takes 0, 1, 2; the ring of 2 goes to the
+    count group {3, 4, 5} (no ring yet), whose least-loaded pair 3, 4 straddles the nodes: it
+    moves to 4, 5 on one node, and the single then goes to pipeline 3, the lightest."""
+    units = [unit(2, 500), unit(0, 400, ring=3), unit(1, 200, ring=2)]
+    placements = pp_balance(units, ctx(6), 6, delta=0.0, num_buckets=2, fill_drain=1)
+    assert [p.ring for p in placements] == [(0, 1, 2), (4, 5), (3,)]
+
+
+@pytest.mark.parametrize("hdp_size, pp_size, lengths, assignment, widened", [
+    (2, 2, [170], "pp-runs", 0),
+    (6, 2, [140, 380], "pp-runs-eq3", 0),
+    (4, 2, [160, 320, 380, 320], "fill", 0),
+    (4, 4, [320, 250, 20, 330], "fill", 0),
+    (8, 4, [190, 270, 120, 390], "pp-runs-1f1b", 3),
+    (8, 4, [240, 40, 150, 190], "pp-runs-1f1b", 3),
+])
+def test_pp_balance_keeps_the_fastest_candidate(hdp_size, pp_size, lengths, assignment, widened):
+    """PP-Balance plans four candidates (runs on the widened units, the same with the 1F1B
+    fill-and-drain load, runs on Eq. 3's units, Alg. 1's aligned fill) and keeps the fastest by
+    the 1F1B estimate, the first on a tie. These are the smallest batches of a seeded search on
+    which each candidate wins; the fill is naive's plan, and a valid plan covers every token."""
+    kw = dict(hdp_size=hdp_size, capacity=100, cost_model=small_cost_model(), pp_size=pp_size, offload=False)
+    plan = make_plan(lengths, scheduler="balance", **kw).validate()
+    naive = make_plan(lengths, scheduler="naive", **kw)
+    assert plan.scheduler == "balance" and plan.meta["mode"] == "PP-Balance"
+    assert (plan.meta["assignment"], plan.meta["widened_units"]) == (assignment, widened)
+    same = [[(mb.ring, mb.seqs) for mb in rp.micro_batches] for rp in plan.ranks] == \
+           [[(mb.ring, mb.seqs) for mb in rp.micro_batches] for rp in naive.ranks]
+    if assignment == "fill":
+        assert same and plan.estimate.step_time_s == naive.estimate.step_time_s
+    elif assignment == "pp-runs-1f1b":
+        assert plan.estimate.step_time_s < naive.estimate.step_time_s
