@@ -10,12 +10,12 @@ that should catch them, in a copy of the tree (the worktree is never modified):
    must fail. Fast (~2-4 minutes): run it after changing the tests of those modules.
 2. ``mutmut``: mutmut 3 (``pip install -e .[mutation]``) generates every mutant of the named
    functions of the core modules (zigzag split, ``StepPlan.validate``, execution order and
-   deadlock check, the balance scheduler (DP- and PP-Balance), the online-softmax merge, the token-level loss and
-   model-config guard, the resume offset of the data path) and runs, for each, the tests that
-   execute that function (in-process tests only: mutmut cannot see calls made inside spawned
-   ranks, so every target here has an in-process test). Survivors must be killed by a test or
-   listed in :data:`EQUIVALENT` with the reason they cannot be told apart; the script exits 1 if
-   one is neither. ~12 minutes with 2 workers on 2 idle cores (the whole check ~14).
+   deadlock check, the balance scheduler (DP- and PP-Balance), the online-softmax merge, the
+   token-level loss and model-config guard, the resume offset of the data path) and runs, for
+   each, the tests that execute that function (in-process tests only: mutmut cannot see calls
+   made inside spawned ranks, so every target here has an in-process test). Survivors must be
+   killed by a test or listed in :data:`EQUIVALENT` with the reason they cannot be told apart;
+   the script exits 1 if one is neither. ~12 minutes with 2 workers on 2 idle cores (the whole check ~14).
 
 Neither part is in ``bash scripts/test.sh``.
 
