@@ -441,6 +441,8 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
         status = {n: STATUS.get(c, "suspicious" if c is not None else "not run") for n, c in codes.items()}
         count = {s: list(status.values()).count(s) for s in set(status.values())}
         survivors, unjustified = [], 0
+        timeouts = [[target.label, n.rsplit(".", 1)[-1], f"`{mutations[n]}`"] for n in chosen
+                    if status[n] == "timeout"]
         for name in chosen:
             if status[name] in ("killed", "timeout"):  # a timeout: the mutant made a test hang
                 continue
@@ -454,7 +456,7 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
                len(chosen) - sum(count.get(s, 0) for s in ("killed", "timeout", "survived", "no tests")),
                justified, unjustified, f"{elapsed / 60:.1f}"]
         progress(f"{target.key}: {row}")
-        return row, survivors, unjustified, len(chosen)
+        return row, survivors, timeouts, unjustified, len(chosen)
     finally:
         if keep:
             progress(f"kept {work}")
@@ -469,14 +471,16 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
                          "(or pip install mutmut==3.8.1)")
     state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
     for target in targets:
-        row, surv, bad, n = run_target(python, target, max_children, keep, timeout_s)
-        state[target.key] = {"row": row, "survivors": surv, "unjustified": bad, "mutants": n,
+        row, surv, hung, bad, n = run_target(python, target, max_children, keep, timeout_s)
+        state[target.key] = {"row": row, "survivors": surv, "timeouts": hung, "unjustified": bad,
+                             "mutants": n,
                              "date": time.strftime("%Y-%m-%d"), "workers": max_children}
         RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     # the table shows every target's latest run (``--targets`` reruns only some of them)
     known = [t.key for t in TARGETS if t.key in state]
     rows = [state[k]["row"] for k in known]
     survivors = [s for k in known for s in state[k]["survivors"]]
+    timeouts = [t for k in known for t in state[k].get("timeouts", [])]
     unjustified = sum(state[k]["unjustified"] for k in known)
     total = sum(state[k]["mutants"] for k in known)
     minutes = sum(float(state[k]["row"][-1]) for k in known)
@@ -495,6 +499,10 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
         body += ("\nEvery mutant not detected, with the reason no test can detect it (mutants are "
                  "renumbered when the code changes; the mutation is what counts):\n\n"
                  + markdown_table(["module", "mutant", "mutation", "status: reason"], survivors) + "\n")
+    if timeouts:
+        body += ("\nThe mutants that timed out (counted as detected: a test ran past mutmut's limit, "
+                 "usually a loop that no longer ends), so they can be checked by hand:\n\n"
+                 + markdown_table(["module", "mutant", "mutation"], timeouts) + "\n")
     return body, unjustified == 0
 
 
