@@ -298,10 +298,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the other candidates run Eq. 3's units, whose longest takes `floor`: they cannot beat an "
      "LPT makespan equal to it, and min keeps the first of equal candidates (only planning "
      "time changes)"),
-    ("*balance.x__place_ring__*", r"if topo\.ring_nodes\(ring\) > topo\.min_nodes\(d\) \+ 1:",
-     "differs only for a load-only ring on exactly min + 1 nodes; on_nodes(d, min + 1) then "
-     "returns the earliest start on min + 1 nodes, which that ring already has: the same start "
-     "and time, members chosen among equally loaded ranks"),
     ("*balance.x_widen_for_balance__*", r"if n <= 1 or not units:  ->  if n (<= 1 and|< 1 or) not units:",
      "with one rank no unit is slower than the lower bound (the sum of all units), so the loop "
      "changes nothing"),

@@ -22,12 +22,13 @@ sequence on D(s) ranks from Eq. 3). Then:
    shape PP-Balance). Units go heaviest *work* first (rank-seconds: a wide ring before a long
    single, so rings start while ranks are still level; a ring starts when its slowest member is
    free and that idle wait is charged). Topology (:mod:`.placement`): a ring that fits a node
-   takes ranks of one node, a longer one the fewest, whole nodes, in node-contiguous order,
-   unless that would finish more than 1 % of the lower bound later than the load-only choice. Ranks that run light units get
-   more of them, so micro-batch counts differ per rank.
+   takes ranks of one node, a longer one the fewest nodes (whole nodes where it can), in
+   node-contiguous order, always (offload on or off). Ranks that run light units get more of
+   them, so micro-batch counts differ per rank.
 4. **PP-Balance (pp_size > 1).** Ring micro-batches must sit at the same local index on all
    members (D5, checked by the validator). Rings are placed first, widest first, on the D
-   least-loaded ranks of one *count group* (ranks that have run the same number of micro-batches);
+   least-loaded ranks of one *count group* (ranks that have run the same number of micro-batches),
+   on its fewest nodes (:func:`_place_rings_aligned`);
    the widest remaining ring always fits the group the previous ring created. Single-rank units
    then follow Alg. 2's "sequentially from all buckets": each target pipeline (below
    ``max - delta * max``) takes a *run* of consecutive units from the sorted stream, staying inside
@@ -65,7 +66,7 @@ from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit, shard_batch
 from .naive import fill_steps, fill_steps_aligned
-from .placement import RingPlacer, accept_compact
+from .placement import RingPlacer
 from ._common import (
     Placement,
     PlanRequest,
@@ -206,7 +207,8 @@ def _best_dp_assignment(
         return candidates[0][1], "lpt", widened
     if widened:
         candidates.append(("lpt-eq3", *dp_balance(sorted(eq3_units, key=unit_work_key), ctx, n), 0))
-    fill = fill_steps(n, [u for u in eq3_units if u.ring_size > 1], deque(u for u in eq3_units if u.ring_size == 1))[0]
+    fill = fill_steps(n, [u for u in eq3_units if u.ring_size > 1], deque(u for u in eq3_units if u.ring_size == 1),
+                      ctx.nodes)[0]
     candidates.append(("fill", fill, _makespan(fill, eq3_units, ctx, n), 0))
     name, placements, _, grown = min(candidates, key=lambda c: c[2])
     return placements, name, grown
@@ -236,15 +238,12 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     order and the global order stays consistent for rings (D5).
 
     Topology (:mod:`.placement`): a ring whose least-loaded ranks span more nodes than its size
-    needs takes the compact choice instead (one node for a ring that fits one, else the fewest,
-    whole nodes) unless that finishes more than ``COMPACT_SLACK`` of the lower bound later;
-    failing that, the earliest choice on at most one node more than the minimum. Members are
-    ordered node by node.
+    needs takes the compact choice instead (one node for a ring that fits one, else the fewest
+    nodes, whole nodes where it can). Members are ordered node by node.
     Returns the placements and their makespan (the estimate's step time for PP = 1).
     """
     placer = RingPlacer(ctx.nodes, n)
     loads = placer.loads
-    lower_bound = sum(u.work for u in units) / n if n else 0.0
     heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == loads[rank]
     holes = _Holes()
     timed: list[tuple[float, int, Placement]] = []
@@ -265,7 +264,7 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
             ring = (picked[0],)
             start, t_u = loads[ring[0]], u.time
         else:
-            start, ring, t_u = _place_ring(u, picked, placer, ctx, lower_bound)
+            start, ring, t_u = _place_ring(u, picked, placer, ctx)
             for r in ring:
                 holes.add(float(loads[r]), start, r)
         end = start + t_u
@@ -280,33 +279,18 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
 
 
-def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext, lower_bound: float,
+def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext,
                 eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...], float]:
-    """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks, or the compact
-    choice of :class:`.placement.RingPlacer` (see :func:`dp_balance`)."""
-    topo = placer.topology
-    d = len(picked)
-
-    def time_on(ring: tuple[int, ...]) -> float:
-        return ctx.ring_time(u.lengths, ring, u.offload_ratio)
-
-    ring = topo.node_contiguous(picked)
-    start = float(placer.loads[list(ring)].max())
-    if placer.spans_min_nodes(ring):
-        return start, ring, time_on(ring)
-    # ``ring`` spans more nodes than it needs, so it is not on one node: a compact ring is never
-    # slower per step, and starting no later than the slack allows is enough to accept it
-    choice = placer.compact(d, eligible)
-    if choice is not None:
-        s_c, r_c = choice
-        t_c = time_on(r_c)
-        if accept_compact(s_c, start, lower_bound) or accept_compact(s_c + t_c, start + time_on(ring), lower_bound):
-            return s_c, r_c, t_c
-    if topo.ring_nodes(ring) > topo.min_nodes(d) + 1:
-        choice = placer.on_nodes(d, topo.min_nodes(d) + 1, eligible)
-        if choice is not None:
-            return choice[0], choice[1], time_on(choice[1])
-    return start, ring, time_on(ring)
+    """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks when they already
+    sit on the fewest nodes (then no compact ring starts earlier), else
+    :meth:`.placement.RingPlacer.fewest_nodes` among the ``eligible`` ranks (see
+    :func:`dp_balance`)."""
+    ring = placer.topology.node_contiguous(picked)
+    if not placer.spans_min_nodes(ring):
+        choice = placer.fewest_nodes(len(picked), eligible)
+        if choice is not None:  # None only if fewer than len(picked) ranks are eligible
+            return choice[0], choice[1], ctx.ring_time(u.lengths, choice[1], u.offload_ratio)
+    return float(placer.loads[list(ring)].max()), ring, ctx.ring_time(u.lengths, ring, u.offload_ratio)
 
 
 class _Holes:
@@ -341,8 +325,7 @@ def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: fl
     """
     placer = RingPlacer(ctx.nodes, n)
     load = _PipelineLoad(placer.loads, fill_drain)
-    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load,
-                                      lower_bound=sum(u.work for u in units) / n)
+    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load)
     load.loads = placer.loads.tolist()  # the placer is done; lists index faster
     singles = [u for u in units if u.ring_size == 1]
     placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
@@ -379,7 +362,7 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
     if widened:
         candidates.append(("pp-runs-eq3", pp_balance(sorted(eq3_units, key=unit_sort_key), ctx, n, **kw), 0))
     fill = fill_steps_aligned(n, [u for u in eq3_units if u.ring_size > 1],
-                              deque(u for u in eq3_units if u.ring_size == 1))[0]
+                              deque(u for u in eq3_units if u.ring_size == 1), ctx.nodes)[0]
     candidates.append(("fill", fill, 0))
     best: StepPlan | None = None
     for name, placements, grown in candidates:
@@ -392,29 +375,39 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
 
 
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
-                         pipeline_load: _PipelineLoad, *, lower_bound: float) -> list[Placement]:
-    """Each ring (widest first) on the least-loaded ranks of the count group that frees them
-    first, compacted onto the fewest nodes inside that group as in :func:`dp_balance`."""
+                         pipeline_load: _PipelineLoad) -> list[Placement]:
+    """Each ring (widest first) on ranks of one count group, on the fewest nodes: the group
+    whose fewest-nodes choice (:meth:`.placement.RingPlacer.fewest_nodes`) starts first among
+    those that hold the ring on ``ceil(D / ranks_per_node)`` nodes (fewer micro-batches on a
+    tie). Such a group always exists on a regular topology: the ranks of the previous (wider)
+    ring form one. Only if none does (a node map with small nodes) does the ring take the fewest
+    nodes any group allows."""
     load = placer.loads
     n = len(load)
+    topo = placer.topology
     groups: dict[int, set[int]] = {0: set(range(n))}
     count = [0] * n
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
-        best: tuple[tuple[float, int], list[int], int] | None = None
+        d = u.ring_size
+        best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
         for c in sorted(groups):
             g = groups[c]
-            if len(g) < u.ring_size:
+            if len(g) < d:
                 continue
-            members = heapq.nsmallest(u.ring_size, g, key=lambda r: (load[r], r))
-            score = (max(load[r] for r in members), c)
+            members = topo.node_contiguous(heapq.nsmallest(d, g, key=lambda r: (load[r], r)))
+            start = max(load[r] for r in members)
+            if not placer.spans_min_nodes(members):
+                eligible = np.zeros(n, dtype=bool)
+                eligible[list(g)] = True
+                start, members = placer.fewest_nodes(d, eligible)
+            score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
             if best is None or score < best[0]:
-                best = (score, members, c)
+                best = (score, members)
         if best is None:
             raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
-        eligible = np.zeros(n, dtype=bool)
-        eligible[list(groups[best[2]])] = True
-        _, ring, t = _place_ring(u, best[1], placer, ctx, lower_bound, eligible)
+        ring = best[1]
+        t = ctx.ring_time(u.lengths, ring, u.offload_ratio)
         for r in ring:
             c = count[r]
             groups[c].discard(r)

@@ -21,7 +21,9 @@ from collections import deque
 
 from ..plan import StepPlan
 from ..sharding import Unit, shard_batch
+from ..topology import Topology
 from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan
+from .placement import FreeRanks
 
 NAME = "naive"
 
@@ -32,60 +34,74 @@ def plan_naive(request: PlanRequest) -> StepPlan:
     units = shard_batch(request.ids, request.lengths, request.sharding_context())
     rings = [u for u in units if u.ring_size > 1]
     singles = deque(u for u in units if u.ring_size == 1)
+    topology = Topology.of(request.cost_model, request.topology)
     if request.pp_size > 1:
-        placements, steps = fill_steps_aligned(request.hdp_size, rings, singles)
+        placements, steps = fill_steps_aligned(request.hdp_size, rings, singles, topology)
     else:
-        placements, steps = fill_steps(request.hdp_size, rings, singles)
+        placements, steps = fill_steps(request.hdp_size, rings, singles, topology)
     return emit_plan(request, placements, scheduler=NAME, meta={"steps": steps})
 
 
-def fill_steps(n: int, rings: list[Unit], singles: deque[Unit]) -> tuple[list[Placement], int]:
-    """Alg. 1 line 10 without PP: time steps, rings first fit on the lowest free ranks, then packs."""
+def fill_steps(n: int, rings: list[Unit], singles: deque[Unit],
+               topology: Topology | None = None) -> tuple[list[Placement], int]:
+    """Alg. 1 line 10 without PP: time steps; rings first fit (in id order) on free ranks of the
+    fewest nodes (:meth:`.placement.FreeRanks.take`; all ranks one node apart without a
+    ``topology``), then packs on the remaining free ranks, lowest first."""
+    topology = topology or Topology(ranks_per_node=1)
     placements: list[Placement] = []
     steps = 0
     while rings or singles:
         steps += 1
-        next_rank, waiting = 0, []
+        free, waiting = FreeRanks(range(n), topology), []
         for u in rings:
-            if u.ring_size <= n - next_rank:
-                ring = tuple(range(next_rank, next_rank + u.ring_size))
-                placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
-                next_rank += u.ring_size
-            else:
+            ring = free.take(u.ring_size, fallback=free.count == n)
+            if ring is None:
                 waiting.append(u)
+                continue
+            placements.append(Placement(ring=tuple(ring), seqs=u.seqs, offload_ratio=u.offload_ratio))
         rings = waiting
-        while next_rank < n and singles:
+        for r in free.remaining():
+            if not singles:
+                break
             u = singles.popleft()
-            placements.append(Placement(ring=(next_rank,), seqs=u.seqs, offload_ratio=u.offload_ratio))
-            next_rank += 1
+            placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements, steps
 
 
-def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit]) -> tuple[list[Placement], int]:
-    """Alg. 1 line 10 with PP: rings (widest first) only on free ranks of one count group."""
+def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit],
+                       topology: Topology | None = None) -> tuple[list[Placement], int]:
+    """Alg. 1 line 10 with PP: rings (widest first) only on free ranks of one count group, the
+    first group (fewest micro-batches) that holds the ring on its fewest nodes; the first ring
+    of a step takes the fewest nodes its group allows if no group holds it that well."""
+    topology = topology or Topology(ranks_per_node=1)
     rings = sorted(rings, key=lambda u: (-u.ring_size, u.seqs[0]))
     placements: list[Placement] = []
     counts = [0] * n
     steps = 0
     while rings or singles:
         steps += 1
-        free: dict[int, list[int]] = {}
+        by_count: dict[int, list[int]] = {}
         for r in range(n):
-            free.setdefault(counts[r], []).append(r)
-        waiting = []
+            by_count.setdefault(counts[r], []).append(r)
+        free = {c: FreeRanks(ranks, topology) for c, ranks in sorted(by_count.items())}
+        waiting: list[Unit] = []
+        first = True
         for u in rings:
-            group = next((g for c, g in sorted(free.items()) if len(g) >= u.ring_size), None)
-            if group is None:
+            groups = [g for g in free.values() if g.count >= u.ring_size]
+            members = next((m for g in groups if (m := g.take(u.ring_size, fallback=False)) is not None), None)
+            if members is None and groups and first:
+                members = groups[0].take(u.ring_size, fallback=True)
+            if members is None:
                 waiting.append(u)
                 continue
-            members, group[:] = group[: u.ring_size], group[u.ring_size:]
+            first = False
             placements.append(Placement(ring=tuple(members), seqs=u.seqs, offload_ratio=u.offload_ratio))
             for r in members:
                 counts[r] += 1
         if len(waiting) == len(rings) and not singles:
             raise RuntimeError("naive: no ring fits any count group (internal error; see docstring)")
         rings = waiting
-        for r in sorted(r for g in free.values() for r in g):
+        for r in sorted(r for g in free.values() for r in g.remaining()):
             if not singles:
                 break
             u = singles.popleft()

@@ -3,18 +3,29 @@
 Load-only list scheduling gives a ring of D ranks the D least-loaded ranks wherever they are.
 On a real cluster that makes rings that would fit in one node straddle two, and spreads long
 rings over more nodes than they need, so their bytes cross the network (nine times slower
-than NVLink in the H100 preset) for nothing. :class:`RingPlacer` offers, next to the
-load-only choice, the *compact* one:
+than NVLink in the H100 preset) for nothing. The rule every scheduler follows (balance, its
+fallbacks and naive, with offload on or off, DP and PP):
 
-* a ring of at most ``ranks_per_node`` ranks on the D least-loaded ranks of one node (the node
-  where they are free first);
-* a longer ring on the fewest nodes: whole nodes (the ones free first) plus the least-loaded
-  ranks of one more node for the remainder;
+* a ring of at most ``ranks_per_node`` ranks sits on one node;
+* a longer ring sits on the fewest nodes, ``ceil(D / ranks_per_node)``: whole nodes plus the
+  remainder on one more node where the free ranks allow it.
 
-and, if the scheduler rejects the compact choice as too late, the earliest choice on one node
-more than the minimum (found by bisection on the start time). Members always come back in
-node-contiguous order (one network link per node boundary of the ring cycle). The scheduler
-decides with its own clock; :func:`accept_compact` is the rule the balance scheduler uses.
+Only where the ranks a scheduler may use cannot hold the ring on that few nodes (a node map
+with small nodes, a PP count group spread over nodes) does it take the fewest nodes they allow.
+Members always come back in node-contiguous order (one network link per node boundary of the
+ring cycle).
+
+:class:`RingPlacer` does this for the list schedulers (balance), where ranks have loads: the
+*compact* choice (the D least-loaded ranks of the node where they are free first; for a longer
+ring the whole nodes free first plus the least-loaded ranks of one more node), else the earliest
+start on the fewest nodes (exact, bisection on the start time). :class:`FreeRanks` does it
+for the time-step fill (naive, Alg. 1), where ranks are free or not.
+
+Rings that fit a node used to fall back to the load-only choice when the compact one started
+more than 1 % of the step's lower bound later. With offload off (small rings of 2-7 ranks for
+every sequence of 8K-56K tokens, compute-bound, so a node-crossing ring cost the same in the
+estimate) that escape fired for one ring in six. Holding the rule always costs at most 0.8 %
+of the estimated step on the standard batches (docs/benchmarks.md, "topology").
 
 Costs: one ``numpy`` sort of the ``nodes x ranks_per_node`` load matrix per ring that the
 load-only choice would not already put on its fewest nodes (about 40 us at 16,384 ranks).
@@ -29,13 +40,6 @@ from typing import Sequence
 import numpy as np
 
 from ..topology import Topology
-
-#: How much later than the load-only choice a compact ring may finish, as a fraction of the
-#: step's lower bound (total work / ranks). A delay this small costs at most that fraction of
-#: the members' time, and the gap is usually backfilled with short packs; measured in
-#: docs/benchmarks.md ("topology" section), where balance stays within 1 % of the load-only plan.
-COMPACT_SLACK = 0.01
-
 
 class RingPlacer:
     """Rank loads viewed node by node, for choosing ring members.
@@ -166,12 +170,84 @@ class RingPlacer:
             total += take
         return self._result(np.concatenate(chosen))
 
+    def fewest_nodes(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """``(start, members)`` of a ring of ``d`` on the fewest nodes the (eligible) ranks allow:
+        :meth:`compact` when it exists, else the earliest start on that many nodes
+        (:meth:`on_nodes`). None only if fewer than ``d`` ranks are eligible."""
+        choice = self.compact(d, eligible)
+        if choice is not None:
+            if d > self.width:
+                other = self.on_nodes(d, self.topology.min_nodes(d), eligible)
+                if other is not None and other[0] < choice[0]:
+                    return other
+            return choice
+        sizes = self._sizes if eligible is None else np.append(eligible, False)[self._idx].sum(axis=1)
+        reach = np.cumsum(np.sort(sizes)[::-1])
+        if not len(reach) or reach[-1] < d:
+            return None
+        return self.on_nodes(d, int(np.searchsorted(reach, d)) + 1, eligible)
+
     def _result(self, members: np.ndarray) -> tuple[float, tuple[int, ...]]:
         """``(start, ring)``: the ring starts when its last member is free."""
         return float(self.loads[members].max()), self.topology.node_contiguous(members.tolist())
 
 
-def accept_compact(compact_end: float, load_only_end: float, lower_bound: float) -> bool:
-    """The balance scheduler's rule: take the compact ring unless it finishes more than
-    :data:`COMPACT_SLACK` of the step's lower bound after the load-only one."""
-    return compact_end <= load_only_end + COMPACT_SLACK * lower_bound
+class FreeRanks:
+    """Free ranks of one time step, grouped by node (ranks ascending in each), for the
+    time-step fill: :meth:`take` removes and returns a ring's members."""
+
+    def __init__(self, free: Sequence[int], topology: Topology) -> None:
+        self.topology = topology
+        self.by_node: dict[int, list[int]] = {}
+        for r in free:
+            self.by_node.setdefault(topology.node(r), []).append(int(r))
+        self.count = len(free)
+
+    def take(self, d: int, *, fallback: bool) -> list[int] | None:
+        """``d`` free ranks on the fewest nodes, node-contiguous, or None.
+
+        A ring that fits a node takes the lowest free ranks of the node with the fewest free
+        ranks that still hold it (best fit keeps whole nodes for longer rings); a longer ring
+        takes whole free nodes (lowest ids) and the remainder best fit on one more node. If the
+        free ranks cannot hold the ring on ``ceil(d / ranks_per_node)`` nodes: None, or with
+        ``fallback`` the fewest nodes they allow (fullest nodes first). None if fewer than
+        ``d`` ranks are free.
+        """
+        if d > self.count:
+            return None
+        by_node, topo = self.by_node, self.topology
+        g = topo.ranks_per_node
+        whole, rest = divmod(d, g) if d > g else (0, d)
+        full = [k for k, ranks in by_node.items() if len(ranks) == g][:whole] if whole else []
+        chosen: list[int] | None = None
+        if len(full) == whole:
+            taken = set(full)
+            fit = min(((len(ranks), k) for k, ranks in by_node.items()
+                       if len(ranks) >= rest and k not in taken), default=None) if rest else (0, None)
+            if fit is not None:
+                chosen = [r for k in full for r in by_node[k]]
+                if rest:
+                    chosen += by_node[fit[1]][:rest]
+        if chosen is None:
+            greedy = sorted(by_node, key=lambda k: -len(by_node[k]))  # stable: ties by lowest rank
+            chosen, used = [], 0
+            for k in greedy:
+                chosen += by_node[k][: d - len(chosen)]
+                used += 1
+                if len(chosen) == d:
+                    break
+            if used > topo.min_nodes(d) and not fallback:
+                return None
+        gone = set(chosen)
+        for k in {topo.node(r) for r in chosen}:
+            left = [r for r in by_node[k] if r not in gone]
+            if left:
+                by_node[k] = left
+            else:
+                del by_node[k]
+        self.count -= d
+        return list(topo.node_contiguous(chosen))
+
+    def remaining(self) -> list[int]:
+        """The ranks still free, ascending."""
+        return sorted(r for ranks in self.by_node.values() for r in ranks)
