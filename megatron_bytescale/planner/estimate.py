@@ -75,15 +75,16 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     topo.check_size(plan.hdp_size)
     lengths = plan.sequence_lengths()
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
+    holders: dict[int, list[int]] = {}  # the ranks that hold each micro-batch (its ring in a valid plan)
     for rp in plan.ranks:
+        rank = rp.rank
         for mb in rp.micro_batches:
-            if mb.order not in seen:
+            held = holders.get(mb.order)
+            if held is None:
                 seen[mb.order] = (mb.ring, mb.seqs, mb.offload_ratio)
-    # the ranks that hold each micro-batch (its ring in a valid plan)
-    holders: dict[int, list[int]] = {}
-    for rp in plan.ranks:
-        for mb in rp.micro_batches:
-            holders.setdefault(mb.order, []).append(rp.rank)
+                holders[mb.order] = [rank]
+            else:
+                held.append(rank)
     orders = np.array(sorted(seen), dtype=np.int64)
     n = len(orders)
     if n == 0:

@@ -88,6 +88,10 @@ def simulate(
         barriers = list(plan.meta.get("barrier_after_orders", []) or [])
     dur = durations or {}
     pp = plan.pp_size
+    if pp > 1 and not barriers:
+        fast = _simulate_pipelines(lists, dur, pp, forward_fraction, plan.hdp_size, record)
+        if fast is not None:
+            return fast
     succ: dict[Node, list[Node]] = defaultdict(list)
     indeg: dict[Node, int] = defaultdict(int)
     weight: dict[Node, float] = {}
@@ -174,6 +178,83 @@ def simulate(
     for r, nodes in enumerate(rank_nodes):
         if nodes:
             out[r] = max(finish[n] for n in nodes)
+    return Simulation(rank_finish_s=out, node_times=times)
+
+
+def _simulate_pipelines(lists: list[list[int]], dur: Mapping[int, float], pp: int, forward_fraction: float,
+                        hdp_size: int, record: bool) -> Simulation | None:
+    """:func:`simulate`'s PP graph without barriers, on integer node ids and flat lists (the
+    planner estimates every PP-Balance candidate with it, so it must be fast).
+
+    Node ``(k * 2 + phase) * pp + stage`` is op F (phase 0) or B (1) of the k-th distinct order
+    at ``stage``; the edges are the general graph's. Every node's start is the latest finish of
+    its predecessors, whatever order Kahn's algorithm meets them in, so the times are the same
+    floats. None on a deadlock (the caller's general path then names the stuck ranks).
+    """
+    orders = sorted({o for ol in lists for o in ol})
+    index = {o: k for k, o in enumerate(orders)}
+    n_nodes = 2 * pp * len(orders)
+    weight = [0.0] * n_nodes
+    for k, o in enumerate(orders):
+        t = float(dur.get(o, 0.0))
+        f, b = t * forward_fraction, t * (1.0 - forward_fraction)
+        base = 2 * pp * k
+        for stage in range(pp):
+            weight[base + stage] = f
+            weight[base + pp + stage] = b
+    succ: list[list[int]] = [[] for _ in range(n_nodes)]
+    indeg = [0] * n_nodes
+    # the fixed edges of every micro-batch: F down the stages, F -> B at the last, B back up
+    for k in range(len(orders)):
+        f0, b0 = 2 * pp * k, 2 * pp * k + pp
+        for stage in range(1, pp):
+            succ[f0 + stage - 1].append(f0 + stage)
+            succ[b0 + stage].append(b0 + stage - 1)
+            indeg[f0 + stage] += 1
+            indeg[b0 + stage - 1] += 1
+        succ[f0 + pp - 1].append(b0 + pp - 1)
+        indeg[b0 + pp - 1] += 1
+    rank_last: list[list[int]] = []  # per rank, the last node of every stage
+    for ol in lists:
+        m = len(ol)
+        ids = [2 * pp * index[o] for o in ol]
+        last: list[int] = []
+        for stage in range(pp):
+            seq = [ids[i] + (pp if phase == "B" else 0) + stage for phase, i in pipeline_ops(m, pp, stage)]
+            for u, v in zip(seq, seq[1:]):
+                succ[u].append(v)
+                indeg[v] += 1
+            if seq:
+                last.append(seq[-1])
+        rank_last.append(last)
+    ready = [0.0] * n_nodes
+    finish = [0.0] * n_nodes
+    queue = [v for v in range(n_nodes) if indeg[v] == 0]
+    done = 0
+    while queue:
+        u = queue.pop()
+        end = ready[u] + weight[u]
+        finish[u] = end
+        done += 1
+        for v in succ[u]:
+            if end > ready[v]:
+                ready[v] = end
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                queue.append(v)
+    if done != n_nodes:
+        return None
+    out = np.zeros(hdp_size)
+    for r, last in enumerate(rank_last):
+        if last:  # a stage's last op finishes after all its others
+            out[r] = max(finish[v] for v in last)
+    times: dict[Node, tuple[float, float]] = {}
+    if record:
+        for k, o in enumerate(orders):
+            for phase in (0, 1):
+                for stage in range(pp):
+                    v = (2 * k + phase) * pp + stage
+                    times[(o, "FB"[phase], stage)] = (ready[v], finish[v])
     return Simulation(rank_finish_s=out, node_times=times)
 
 

@@ -102,6 +102,25 @@ class ShardingContext:
         return self.unit_time(lengths, len(ring), offload_ratio, intra_node=topo.ring_is_intra_node(ring),
                               node_group=group)
 
+    def placed_time(self, unit: Unit, ring: Sequence[int]) -> float:
+        """:meth:`ring_time` of ``unit`` on ``ring``, reusing ``unit.time`` when the ring's nodes
+        give the rate and node group that time was costed with (a ring that fits a node inside
+        one, a longer one across nodes, flat or two-level as :meth:`node_group` assumed): the
+        same inputs to the cost model, so the same float. The schedulers place thousands of
+        rings per step, and a scalar cost-model call costs ~20 us."""
+        d = len(ring)
+        if d != unit.ring_size:
+            return self.ring_time(unit.lengths, ring, unit.offload_ratio)
+        cm = self.cost_model
+        topo = self.nodes
+        if topo.ring_is_intra_node(ring) != (d <= cm.ranks_per_node):
+            return self.ring_time(unit.lengths, ring, unit.offload_ratio)
+        if cm.two_level_ring and d > 1:
+            actual, assumed = topo.two_level_group(ring), self.node_group(d)
+            if (actual if d > actual else 1) != (assumed if d > assumed else 1):
+                return self.ring_time(unit.lengths, ring, unit.offload_ratio)
+        return unit.time
+
     def time_on_rings(self, lengths: Sequence[int], ring_sizes: np.ndarray) -> np.ndarray:
         """Seconds per member of one unit on each ring size in ``ring_sizes`` (no offload; a
         ratio chosen by Eq. 3 never exposes transfer time), vectorised."""
@@ -140,21 +159,26 @@ def best_fit_decreasing(ids: Sequence[int], lengths: Sequence[int], capacity: in
     that still fits it, else a new bin. Bins are returned in creation order, items in insertion
     order.
     """
-    order = sorted(range(len(ids)), key=lambda i: (-lengths[i], ids[i]))
+    if not len(ids):
+        return []
+    # longest first, ties by id (a numpy sort: the same order as sorted() with that key)
+    order = np.lexsort((np.asarray(ids, dtype=np.int64), -np.asarray(lengths, dtype=np.int64)))
     bins: list[list[int]] = []
     shift = max(1, len(ids)).bit_length()
+    mask = (1 << shift) - 1
     room: list[int] = []  # sorted keys remaining << shift | bin index (one int compares fast)
-    for i in order:
+    left, insort = bisect.bisect_left, bisect.insort
+    for i in order.tolist():
         need = lengths[i]
-        pos = bisect.bisect_left(room, need << shift)
+        pos = left(room, need << shift)
         if pos < len(room):
             key = room.pop(pos)
-            b = key & ((1 << shift) - 1)
+            b = key & mask
             bins[b].append(ids[i])
-            bisect.insort(room, ((key >> shift) - need) << shift | b)
+            insort(room, ((key >> shift) - need) << shift | b)
         else:
             bins.append([ids[i]])
-            bisect.insort(room, (capacity - need) << shift | (len(bins) - 1))
+            insort(room, (capacity - need) << shift | (len(bins) - 1))
     return bins
 
 
@@ -180,10 +204,9 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
         units.append(ctx.resize(unit, dec.ring_size))  # whole nodes for a two-level ring
     if short:
         bins = best_fit_decreasing([i for i, _ in short], [n for _, n in short], ctx.capacity)
-        times = pack_times([[length_of[s] for s in b] for b in bins], ctx)
-        for b, t in zip(bins, times):
-            units.append(Unit(seqs=tuple(b), lengths=tuple(length_of[s] for s in b), ring_size=1,
-                              min_ring_size=1, time=t))
+        packs = [tuple(map(length_of.__getitem__, b)) for b in bins]
+        for b, p, t in zip(bins, packs, pack_times(packs, ctx)):
+            units.append(Unit(seqs=tuple(b), lengths=p, ring_size=1, min_ring_size=1, time=t))
     return units
 
 
@@ -205,14 +228,19 @@ def long_times(lengths: Sequence[int], ring_sizes: Sequence[int], ratios: Sequen
 
 
 def pack_times(packs: Iterable[Sequence[int]], ctx: ShardingContext) -> list[float]:
-    """Seconds of single-rank packs, vectorised (D = 1, no padding)."""
-    sums, sq = [], []
-    for p in packs:
-        a = np.asarray(p, dtype=np.float64)
-        sums.append(a.sum())
-        sq.append((a * a).sum())
-    if not sums:
+    """Seconds of single-rank packs, vectorised (D = 1, no padding).
+
+    The sums are taken in integers (exact whatever the order) and converted once."""
+    packs = list(packs)
+    if not packs:
         return []
-    out = ctx.cost_model.ring_time_from_sums(np.asarray(sums), np.asarray(sq), np.ones(len(sums)),
-                                             layers=ctx.layers)
+    sizes = np.fromiter((len(p) for p in packs), dtype=np.int64, count=len(packs))
+    flat = np.fromiter((n for p in packs for n in p), dtype=np.int64, count=int(sizes.sum()))
+    sums, sq = np.zeros(len(packs)), np.zeros(len(packs))
+    full = sizes > 0
+    if full.any():
+        starts = (np.cumsum(sizes) - sizes)[full]
+        sums[full] = np.add.reduceat(flat, starts)
+        sq[full] = np.add.reduceat(flat * flat, starts)
+    out = ctx.cost_model.ring_time_from_sums(sums, sq, np.ones(len(packs)), layers=ctx.layers)
     return [float(x) for x in np.atleast_1d(out)]

@@ -152,12 +152,18 @@ class Topology:
 
     def ring_nodes(self, ring: Sequence[int]) -> int:
         """Distinct nodes ``ring`` spans."""
+        if self.node_of is None:
+            g = self.ranks_per_node
+            return len({r // g for r in ring})
         return len({self.node(r) for r in ring})
 
     def ring_is_intra_node(self, ring: Sequence[int]) -> bool:
         """Whether every member of ``ring`` is on one node (its steps run at NVLink rate)."""
         if len(ring) <= 1:
             return True
+        if self.node_of is None:  # nodes are rank // g: one node iff the extremes share it
+            g = self.ranks_per_node
+            return min(ring) // g == max(ring) // g
         first = self.node(ring[0])
         return all(self.node(r) == first for r in ring)
 
@@ -172,6 +178,8 @@ class Topology:
     def node_contiguous(self, members: Sequence[int]) -> tuple[int, ...]:
         """``members`` ordered node by node (nodes by id, ranks by id inside a node), so the
         ring crosses one network link per node boundary."""
+        if self.node_of is None:  # node = rank // g grows with the rank
+            return tuple(sorted(int(r) for r in members))
         return tuple(sorted((int(r) for r in members), key=lambda r: (self.node(r), r)))
 
     def two_level_group(self, ring: Sequence[int]) -> int:

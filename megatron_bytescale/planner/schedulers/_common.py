@@ -227,8 +227,8 @@ class FastPlanBuilder(PlanBuilder):
     def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
         order = self._next_order
         self._next_order += 1
-        ring_t = tuple(int(r) for r in ring)
-        seqs_t = tuple(int(s) for s in seqs)
+        ring_t = tuple(map(int, ring))
+        seqs_t = tuple(map(int, seqs))
         n = len(ring_t)
         if not self.pieces:
             shared = MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=())
@@ -236,7 +236,8 @@ class FastPlanBuilder(PlanBuilder):
                 self.per_rank[rank].append(shared)
             return order
         if n == 1:
-            pieces = tuple(Piece(seq=s, start=0, end=self.lengths[s]) for s in seqs_t)
+            lengths = self.lengths
+            pieces = tuple([Piece(seq=s, start=0, end=lengths[s]) for s in seqs_t])
             self.per_rank[ring_t[0]].append(
                 MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces)
             )

@@ -224,7 +224,7 @@ def _makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: Shard
             free[p.ring[0]] += u.time
         else:
             idx = list(p.ring)
-            free[idx] = free[idx].max() + ctx.ring_time(u.lengths, p.ring, u.offload_ratio)
+            free[idx] = free[idx].max() + ctx.placed_time(u, p.ring)
     return float(free.max()) if n else 0.0
 
 
@@ -244,7 +244,9 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     """
     placer = RingPlacer(ctx.nodes, n)
     loads = placer.loads
-    heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == loads[rank]
+    cur = [0.0] * n  # loads as Python floats: the heap's liveness test reads them per pop
+    heap = [(0.0, r) for r in range(n)]  # lazy: an entry is live iff its load == cur[rank]
+    pop, push = heapq.heappop, heapq.heappush
     holes = _Holes()
     timed: list[tuple[float, int, Placement]] = []
     for index, u in enumerate(units):
@@ -253,27 +255,35 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
             hole = holes.take(u.time)
             if hole is not None:
                 start, rank = hole
-                timed.append((start, index, Placement(ring=(rank,), seqs=u.seqs, offload_ratio=u.offload_ratio)))
-                continue
+            else:
+                while True:
+                    t, rank = pop(heap)
+                    if t == cur[rank]:
+                        break
+                start = cur[rank]
+                end = start + u.time
+                cur[rank] = end
+                placer.set_load(rank, end)
+                push(heap, (end, rank))
+            timed.append((start, index, Placement(ring=(rank,), seqs=u.seqs, offload_ratio=u.offload_ratio)))
+            continue
         picked: list[int] = []
         while len(picked) < d:
-            t, r = heapq.heappop(heap)
-            if t == loads[r] and r not in picked:
+            t, r = pop(heap)
+            if t == cur[r] and r not in picked:
                 picked.append(r)
-        if d == 1:
-            ring = (picked[0],)
-            start, t_u = loads[ring[0]], u.time
-        else:
-            start, ring, t_u = _place_ring(u, picked, placer, ctx)
-            for r in ring:
-                holes.add(float(loads[r]), start, r)
+        start, ring, t_u = _place_ring(u, picked, placer, ctx)
+        for r in ring:
+            holes.add(cur[r], start, r)
         end = start + t_u
+        members = set(ring)
         for r in picked:
-            if r not in ring:
-                heapq.heappush(heap, (loads[r], r))
+            if r not in members:
+                push(heap, (cur[r], r))
         placer.set_loads(ring, end)
         for r in ring:
-            heapq.heappush(heap, (end, r))
+            cur[r] = end
+            push(heap, (end, r))
         timed.append((start, index, Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio)))
     timed.sort(key=lambda x: (x[0], x[1]))
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
@@ -286,11 +296,12 @@ def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingCon
     :meth:`.placement.RingPlacer.fewest_nodes` among the ``eligible`` ranks (see
     :func:`dp_balance`)."""
     ring = placer.topology.node_contiguous(picked)
+    start = float(placer.loads[list(ring)].max())
     if not placer.spans_min_nodes(ring):
-        choice = placer.fewest_nodes(len(picked), eligible)
+        choice = placer.fewest_nodes(len(picked), eligible, earliest=start)
         if choice is not None:  # None only if fewer than len(picked) ranks are eligible
-            return choice[0], choice[1], ctx.ring_time(u.lengths, choice[1], u.offload_ratio)
-    return float(placer.loads[list(ring)].max()), ring, ctx.ring_time(u.lengths, ring, u.offload_ratio)
+            return choice[0], choice[1], ctx.placed_time(u, choice[1])
+    return start, ring, ctx.placed_time(u, ring)
 
 
 class _Holes:
@@ -356,22 +367,51 @@ def _best_pp_plan(request: PlanRequest, units: list[Unit], eq3_units: list[Unit]
     PP, widening trades fewer bubbles for more communication and the estimate decides)."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
-    candidates = [("pp-runs", pp_balance(units, ctx, n, **kw), widened),
+    candidates = [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
                   ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw),
-                   widened)]
+                   widened, units)]
     if widened:
-        candidates.append(("pp-runs-eq3", pp_balance(sorted(eq3_units, key=unit_sort_key), ctx, n, **kw), 0))
+        candidates.append(("pp-runs-eq3", pp_balance(sorted(eq3_units, key=unit_sort_key), ctx, n, **kw), 0,
+                           eq3_units))
     fill = fill_steps_aligned(n, [u for u in eq3_units if u.ring_size > 1],
                               deque(u for u in eq3_units if u.ring_size == 1), ctx.nodes)[0]
-    candidates.append(("fill", fill, 0))
+    candidates.append(("fill", fill, 0, eq3_units))
     best: StepPlan | None = None
-    for name, placements, grown in candidates:
+    for name, placements, grown, pool in candidates:
+        # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
+        # plan and full estimate (the margin covers rounding between the two time sums)
+        if best is not None and pipeline_floor(placements, pool, ctx, request.pp_size) \
+                > best.estimate.step_time_s * (1 + 1e-9):
+            continue
         plan = emit_plan(request, placements, scheduler=NAME,
                          meta={**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name})
         plan = replace(plan, estimate=estimate_plan(plan, ctx.cost_model))
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
             best = plan
     return best
+
+
+def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
+                   pp_size: int) -> float:
+    """A lower bound on the 1F1B step of ``placements`` (each rank a pipeline running its
+    micro-batches in list order): the slowest pipeline's stage work plus the first micro-batch's
+    forward down the other ``pp_size - 1`` stages before the last stage can start, and the last
+    one's backward back up them after it ends. Rings only add waiting to that."""
+    by_seqs = {u.seqs: u for u in units}
+    ff = ctx.cost_model.forward_fraction
+    work = [0.0] * ctx.hdp_size
+    first: list[float | None] = [None] * ctx.hdp_size
+    last = [0.0] * ctx.hdp_size
+    for p in placements:
+        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
+        for r in p.ring:
+            work[r] += t
+            if first[r] is None:
+                first[r] = t
+            last[r] = t
+    hops = pp_size - 1
+    return max((w + hops * (ff * f + (1.0 - ff) * b) for w, f, b in zip(work, first, last) if f is not None),
+               default=0.0)
 
 
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
@@ -400,14 +440,14 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
             if not placer.spans_min_nodes(members):
                 eligible = np.zeros(n, dtype=bool)
                 eligible[list(g)] = True
-                start, members = placer.fewest_nodes(d, eligible)
+                start, members = placer.fewest_nodes(d, eligible, earliest=start)
             score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
             if best is None or score < best[0]:
                 best = (score, members)
         if best is None:
             raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
         ring = best[1]
-        t = ctx.ring_time(u.lengths, ring, u.offload_ratio)
+        t = ctx.placed_time(u, ring)
         for r in ring:
             c = count[r]
             groups[c].discard(r)

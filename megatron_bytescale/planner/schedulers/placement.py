@@ -34,6 +34,7 @@ Deterministic: ties go to the lower node id, then the lower rank.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Sequence
 
@@ -78,6 +79,11 @@ class RingPlacer:
         self.loads[list(ranks)] = value
         self.touch(ranks)
 
+    def set_load(self, rank: int, value: float) -> None:
+        """``loads[rank] = value`` (one rank: the hot path of list scheduling)."""
+        self.loads[rank] = value
+        self._dirty.add(self._row_of[rank])
+
     def touch(self, ranks: Sequence[int]) -> None:
         """Note that the loads of ``ranks`` changed."""
         row_of = self._row_of
@@ -91,7 +97,7 @@ class RingPlacer:
             m = self._ext[self._idx[rows]]
             order = np.argsort(m, axis=1, kind="stable")  # by load, then rank (rows hold ranks ascending)
             self._order[rows] = order
-            self._sorted[rows] = np.take_along_axis(m, order, axis=1)
+            self._sorted[rows] = m[np.arange(len(rows))[:, None], order]
         return self._sorted, self._order
 
     def _masked(self, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -170,13 +176,18 @@ class RingPlacer:
             total += take
         return self._result(np.concatenate(chosen))
 
-    def fewest_nodes(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+    def fewest_nodes(self, d: int, eligible: np.ndarray | None = None, *,
+                     earliest: float = -math.inf) -> tuple[float, tuple[int, ...]] | None:
         """``(start, members)`` of a ring of ``d`` on the fewest nodes the (eligible) ranks allow:
-        :meth:`compact` when it exists, else the earliest start on that many nodes
-        (:meth:`on_nodes`). None only if fewer than ``d`` ranks are eligible."""
+        :meth:`compact`, or for a ring longer than a node the earliest start on that many nodes
+        (:meth:`on_nodes`) when it is earlier; without a compact choice, the earliest start on
+        the fewest nodes possible. None only if fewer than ``d`` ranks are eligible.
+
+        ``earliest`` is a start no choice can beat (the load-only one: the d-th smallest eligible
+        load); a compact choice that meets it skips the search."""
         choice = self.compact(d, eligible)
         if choice is not None:
-            if d > self.width:
+            if d > self.width and choice[0] > earliest:
                 other = self.on_nodes(d, self.topology.min_nodes(d), eligible)
                 if other is not None and other[0] < choice[0]:
                     return other
@@ -194,7 +205,10 @@ class RingPlacer:
 
 class FreeRanks:
     """Free ranks of one time step, grouped by node (ranks ascending in each), for the
-    time-step fill: :meth:`take` removes and returns a ring's members."""
+    time-step fill: :meth:`take` removes and returns a ring's members.
+
+    Nodes are also kept in buckets by their number of free ranks (node ids ascending in each),
+    so a choice costs O(ranks_per_node) bucket looks instead of a scan of every node."""
 
     def __init__(self, free: Sequence[int], topology: Topology) -> None:
         self.topology = topology
@@ -202,51 +216,59 @@ class FreeRanks:
         for r in free:
             self.by_node.setdefault(topology.node(r), []).append(int(r))
         self.count = len(free)
+        self._g = topology.ranks_per_node
+        self._buckets: list[list[int]] = [[] for _ in range(self._g + 1)]
+        for k in sorted(self.by_node):
+            self._buckets[len(self.by_node[k])].append(k)
 
     def take(self, d: int, *, fallback: bool) -> list[int] | None:
         """``d`` free ranks on the fewest nodes, node-contiguous, or None.
 
         A ring that fits a node takes the lowest free ranks of the node with the fewest free
-        ranks that still hold it (best fit keeps whole nodes for longer rings); a longer ring
-        takes whole free nodes (lowest ids) and the remainder best fit on one more node. If the
-        free ranks cannot hold the ring on ``ceil(d / ranks_per_node)`` nodes: None, or with
-        ``fallback`` the fewest nodes they allow (fullest nodes first). None if fewer than
-        ``d`` ranks are free.
+        ranks that still hold it (best fit keeps whole nodes for longer rings; ties to the lower
+        node id); a longer ring takes whole free nodes (lowest ids) and the remainder best fit on
+        one more node. If the free ranks cannot hold the ring on ``ceil(d / ranks_per_node)``
+        nodes: None, or with ``fallback`` the fewest nodes they allow (fullest nodes first, then
+        lower ids). None if fewer than ``d`` ranks are free.
         """
         if d > self.count:
             return None
-        by_node, topo = self.by_node, self.topology
-        g = topo.ranks_per_node
+        by_node, buckets, g = self.by_node, self._buckets, self._g
         whole, rest = divmod(d, g) if d > g else (0, d)
-        full = [k for k, ranks in by_node.items() if len(ranks) == g][:whole] if whole else []
-        chosen: list[int] | None = None
-        if len(full) == whole:
-            taken = set(full)
-            fit = min(((len(ranks), k) for k, ranks in by_node.items()
-                       if len(ranks) >= rest and k not in taken), default=None) if rest else (0, None)
-            if fit is not None:
-                chosen = [r for k in full for r in by_node[k]]
-                if rest:
-                    chosen += by_node[fit[1]][:rest]
-        if chosen is None:
-            greedy = sorted(by_node, key=lambda k: -len(by_node[k]))  # stable: ties by lowest rank
-            chosen, used = [], 0
-            for k in greedy:
-                chosen += by_node[k][: d - len(chosen)]
-                used += 1
-                if len(chosen) == d:
-                    break
-            if used > topo.min_nodes(d) and not fallback:
+        plan: list[tuple[int, int]] | None = None  # (node, ranks taken from it)
+        if len(buckets[g]) >= whole:
+            plan = [(k, g) for k in buckets[g][:whole]]
+            if rest:
+                fit = next((k for c in range(rest, g + 1)
+                            for k in (buckets[c][whole:] if c == g else buckets[c])), None)
+                plan = None if fit is None else plan + [(fit, rest)]
+        if plan is None:
+            plan, left = [], d
+            for c in range(g, 0, -1):  # fullest nodes first
+                for k in buckets[c]:
+                    if left <= 0:
+                        break
+                    plan.append((k, min(c, left)))
+                    left -= c
+            if len(plan) > self.topology.min_nodes(d) and not fallback:
                 return None
-        gone = set(chosen)
-        for k in {topo.node(r) for r in chosen}:
-            left = [r for r in by_node[k] if r not in gone]
-            if left:
-                by_node[k] = left
-            else:
+        chosen: list[int] = []
+        for k, m in plan:
+            ranks = by_node[k]
+            chosen += ranks[:m]
+            self._move(k, len(ranks), len(ranks) - m)
+            if m == len(ranks):
                 del by_node[k]
+            else:
+                by_node[k] = ranks[m:]
         self.count -= d
-        return list(topo.node_contiguous(chosen))
+        return list(self.topology.node_contiguous(chosen))
+
+    def _move(self, node: int, old: int, new: int) -> None:
+        bucket = self._buckets[old]
+        del bucket[bisect.bisect_left(bucket, node)]
+        if new:
+            bisect.insort(self._buckets[new], node)
 
     def remaining(self) -> list[int]:
         """The ranks still free, ascending."""
