@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_bytescale.runtime import ActivationOffloader
+from megatron_bytescale.runtime.offload_streams import HostEvent, HostStream, HostStreamOps
 
 T, H, HEADS, L = 64, 32, 4, 4  # 4 layers, the last 2 resident: layers 0 and 1 offloadable
 
@@ -181,3 +182,71 @@ def test_a_view_kept_resident_keeps_its_whole_storage_resident(x0):
     assert stats.offloaded_bytes == T * H * 4  # copied before the resident view came
     assert stats.reloaded_bytes == 0 and stats.prefetched_reloads + stats.on_demand_reloads == 0
     assert offloader.pool.in_use_bytes == 0 and offloader.resident_bytes == 0
+
+
+# ------------------------------------------------------------- the CUDA stream path's ordering
+class Recorder(HostStreamOps):
+    """Host stand-ins that log every stream operation (the order the CUDA path would run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+        self._compute = _LoggedStream(self.log, "compute")
+        self._names = iter(("d2h", "h2d"))
+        self.events = 0
+
+    def new_stream(self):
+        return _LoggedStream(self.log, next(self._names))
+
+    def new_event(self, *, timing: bool = False):
+        self.events += 1
+        return _LoggedEvent(self.log, f"e{self.events}")
+
+    def record_stream(self, tensor, stream) -> None:
+        self.log.append(("record_stream", stream.name, tensor.untyped_storage().data_ptr()))
+
+
+class _LoggedStream(HostStream):
+    def __init__(self, log, name) -> None:
+        super().__init__(name)
+        self.log = log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+
+class _LoggedEvent(HostEvent):
+    def __init__(self, log, name) -> None:
+        super().__init__()
+        self.log, self.name = log, name
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.log.append(("record", stream.name, self.name))
+
+
+def test_the_stream_path_copies_a_shared_storage_once_and_orders_its_reload(x0):
+    """With the CUDA path's ordering (host stand-ins that log it): one D2H copy per storage
+    that protects the original storage, one H2D copy that waits for it, and the compute stream
+    waits for that copy before either view is used."""
+    layers = make_layers(3)  # layer 0 offloadable
+    ops = Recorder()
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0, stream_ops=ops)
+    x, loss = forward(layers, x0, offloader, 1.0)
+    d2h = [e for e in ops.log if e[:2] == ("record", "d2h")]
+    assert len(d2h) == 1  # layer 0's attention output, once for both views
+    i = ops.log.index(d2h[0])
+    assert ops.log[i - 1][:2] == ("record_stream", "d2h")  # the source storage is protected
+    assert ("wait_stream", "d2h", "compute") in ops.log[:i]
+    loss.backward()
+    h2d = [e for e in ops.log if e[:2] == ("record", "h2d")]
+    assert len(h2d) == 1
+    j = ops.log.index(h2d[0])
+    assert ("wait_event", "h2d", d2h[0][2]) in ops.log[i:j]  # the host copy is complete first
+    waits = [k for k, e in enumerate(ops.log) if e == ("wait_event", "compute", h2d[0][2])]
+    assert len(waits) == 1 and waits[0] > j  # the compute stream waited, once, for both views
+    stats = offloader.end_step()
+    assert stats.offloaded_bytes == stats.reloaded_bytes == T * H * 4
