@@ -4,14 +4,18 @@
 A test suite is only as good as the bugs it catches. This script plants bugs and runs the tests
 that should catch them, in a copy of the tree (the worktree is never modified):
 
-1. ``planted``: the five bugs an audit once found the suite blind to (alignment ignored, order
+1. ``planted``: the bugs audits once found the suite blind to (alignment ignored, order
    check dropped, balance widening to twice the lower bound, resume skipping samples instead of
-   batches, bf16 ring accumulators), each planted by a textual edit, with the test files that
+   batches, bf16 ring accumulators; then one instance of each bug class of offload rows at
+   fractional ratios, reload order, storages shared by views, sequence-parallel padding at
+   TP > 2, two-level bytes with PP, lookahead with reduction and optimizer time, the host
+   budget at alignments > 4), each planted by a textual edit, with the test files that
    must fail. Fast (~2-4 minutes): run it after changing the tests of those modules.
 2. ``mutmut``: mutmut 3 (``pip install -e .[mutation]``) generates every mutant of the named
    functions of the core modules (zigzag split, ``StepPlan.validate``, execution order and
    deadlock check, the balance scheduler (DP- and PP-Balance), the online-softmax merge, the
-   token-level loss and model-config guard, the resume offset of the data path) and runs, for
+   token-level loss and model-config guard, the resume offset of the data path, activation
+   offload by storage, the refusal of ByteScale flags without the switch) and runs, for
    each, the tests that execute that function (in-process tests only: mutmut cannot see calls
    made inside spawned ranks, so every target here has an in-process test). Survivors must be
    killed by a test or listed in :data:`EQUIVALENT` with the reason they cannot be told apart;
@@ -114,6 +118,81 @@ PLANTED = [
           "    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)")),
         ("tests/runtime/test_runtime_numerics.py",),
     ),
+    # bug classes the suite once missed (TP 2 only, ratios 0 / 0.25 / 0.5 / 1, PP 1 two-level
+    # rings, lookahead without reduction or optimizer time, alignments <= 4): one instance each
+    Planted(
+        "offloaded rows rounded", "offload keeps round(r * rows) token rows, not the ceiling",
+        (("megatron_bytescale/runtime/offload.py",
+          "offloaded = min(rows, math.ceil(self.ratio * rows - 1e-9))",
+          "offloaded = min(rows, round(self.ratio * rows))"),),
+        ("tests/runtime/test_runtime_offload_classes.py",),
+    ),
+    Planted(
+        "offloaded rows floored", "offload keeps int(r * rows) token rows, not the ceiling",
+        (("megatron_bytescale/runtime/offload.py",
+          "offloaded = min(rows, math.ceil(self.ratio * rows - 1e-9))",
+          "offloaded = min(rows, int(self.ratio * rows))"),),
+        ("tests/runtime/test_runtime_offload_classes.py",),
+    ),
+    Planted(
+        "reload of the wrong layer", "a layer's backward starts its own reload, not the next layer's",
+        (("megatron_bytescale/runtime/offload.py",
+          "self.reload_layer(layer - 1, prefetch=True)", "self.reload_layer(layer, prefetch=True)"),),
+        ("tests/runtime/test_runtime_offload_classes.py",),
+    ),
+    Planted(
+        "views offloaded twice", "offload forgets the storages it copied (each view copied again)",
+        (("megatron_bytescale/runtime/offload.py",
+          "        record = self._records.get(ptr)\n", "        record = None\n"),),
+        ("tests/runtime/test_runtime_offload_storage.py",),
+    ),
+    Planted(
+        "SP rows padded to even", "sequence-parallel rows padded by n % tp (a multiple of 2 only)",
+        (("megatron_bytescale/integration/schedule.py",
+          "    return -(-num_tokens // tp) * tp", "    return num_tokens + num_tokens % tp"),),
+        ("tests/integration/test_sequence_parallel_rows.py",),
+    ),
+    Planted(
+        "offload rows padded to 2", "the offloader's row count is padded to a multiple of 2, not of TP",
+        (("megatron_bytescale/runtime/offload.py",
+          "rows = -(-int(micro_batch.tokens.numel()) // sp) * sp",
+          "rows = -(-int(micro_batch.tokens.numel()) // 2) * 2"),),
+        ("tests/integration/test_sequence_parallel_rows.py",),
+    ),
+    Planted(
+        "two-level bytes of one stage", "two-level ring bytes count one pipeline stage's layers",
+        (("megatron_bytescale/planner/estimate.py",
+          "groups[two], layers=all_layers)", "groups[two], layers=plan.layers_per_stage)"),),
+        ("tests/planner/test_two_level_bytes_pp.py",),
+    ),
+    Planted(
+        "host budget without align", "Eq. 3's host bytes use the zigzag share without alignment",
+        (("megatron_bytescale/planner/offload.py",
+          "    share = max_zigzag_share(length, ring_size, align)\n    return float(offload_ratio)",
+          "    share = max_zigzag_share(length, ring_size)\n    return float(offload_ratio)"),),
+        ("tests/planner/test_planner_host_budget_align.py",),
+    ),
+    Planted(
+        "share align capped at 4", "the vectorised zigzag share pads parts to min(align, 4)",
+        (("megatron_bytescale/planner/offload.py",
+          "    chunk = -(-chunk // align) * align\n",
+          "    chunk = -(-chunk // min(align, 4)) * min(align, 4)\n"),),
+        ("tests/planner/test_planner_host_budget_align.py",),
+    ),
+    Planted(
+        "lookahead behind the phase", "lookahead hides planning behind the micro-batches only",
+        (("megatron_bytescale/sim/step.py",
+          "data_wait_s(plan_s, phase + reduce_s + optimizer_s, lookahead=lookahead)",
+          "data_wait_s(plan_s, phase, lookahead=lookahead)"),),
+        ("tests/sim/test_sim_lookahead_overheads.py",),
+    ),
+    Planted(
+        "lookahead hides everything", "with lookahead the data and plan never wait",
+        (("megatron_bytescale/sim/overheads.py",
+          "return max(0.0, wait - busy_step_s) if lookahead else wait",
+          "return 0.0 if lookahead else wait"),),
+        ("tests/sim/test_sim_lookahead_overheads.py",),
+    ),
 ]
 
 
@@ -190,6 +269,9 @@ class Target:
 
 PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_planner_zigzag_splits.py",
                  "tests/planner/test_planner_validate.py")
+OFFLOAD_TESTS = ("tests/runtime/test_runtime_offload.py", "tests/runtime/test_runtime_offload_storage.py",
+                 "tests/runtime/test_runtime_offload_classes.py",
+                 "tests/integration/test_sequence_parallel_rows.py")
 TARGETS = [
     Target("zigzag", "planner/zigzag.py", "megatron_bytescale/planner/zigzag.py", ("*",),
            PLANNER_TESTS + ("tests/runtime/test_runtime_layout.py",)),
@@ -232,6 +314,25 @@ TARGETS = [
             "tests/integration/test_megatron_lm_hooks.py::test_budget_batches_resume_and_shuffle"),
            lines=r"skips = .*|consumed_\w+.*|skip_batches=skips\[split_index\]|skip_batches: int = 0"
                  r"|if step >= skip_batches|step = 0|step \+= 1"),
+    Target("offload", "runtime/offload.py (which rows, which storages, reload order)",
+           "megatron_bytescale/runtime/offload.py",
+           ("xǁMicroBatchOffloadǁ_saved", "xǁMicroBatchOffloadǁ_host_bytes",
+            "xǁMicroBatchOffloadǁ_must_stay_resident", "xǁMicroBatchOffloadǁ_eligible",
+            "xǁMicroBatchOffloadǁ_unpack", "xǁMicroBatchOffloadǁreload_layer",
+            "x_offload_micro_batch"),
+           OFFLOAD_TESTS),
+    Target("offload_storage", "runtime/offload_storage.py (one copy per storage, views rebuilt)",
+           "megatron_bytescale/runtime/offload_storage.py", ("*",), OFFLOAD_TESTS),
+    Target("flags_parser", "integration/config.py (which --bytescale-* flags were given)",
+           "megatron_bytescale/integration/config.py", ("xǁ_RecordedStoreǁ__call__", "x_given_flags"),
+           ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
+            "tests/integration/test_megatron_lm_hooks.py::test_chained_provider_parses_ours_after_another",
+            "tests/integration/test_config.py")),
+    Target("flags", "integration/megatron_lm.py (flags without --bytescale-hdp refused)",
+           "megatron_bytescale/integration/megatron_lm.py", ("x_flags_without_hdp", "x_check_args"),
+           ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
+            "tests/integration/test_megatron_lm_hooks.py::test_without_the_flag_the_hooks_are_megatron",
+            "tests/integration/test_megatron_lm_hooks.py::test_refusals_name_the_flag")),
 ]
 
 # Surviving mutants that no test can kill, with the reason. Keyed by (mutant-name glob, a regex

@@ -289,14 +289,18 @@ def add_bytescale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             pair.add_argument(
                 flag_name(f.name),
                 dest=dest,
-                action="store_true",
+                action=_RecordedStore,
+                nargs=0,
+                const=True,
                 default=f.default,
                 help=f"{help_text} (default: {'on' if f.default else 'off'})",
             )
             pair.add_argument(
                 f"--no-{FLAG_PREFIX}-{f.name.replace('_', '-')}",
                 dest=dest,
-                action="store_false",
+                action=_RecordedStore,
+                nargs=0,
+                const=False,
                 default=f.default,
                 help=f"Turn off {flag_name(f.name)}.",
             )
@@ -306,6 +310,7 @@ def add_bytescale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         group.add_argument(
             flag_name(f.name),
             dest=dest,
+            action=_RecordedStore,
             type=kind,
             default=f.default,
             choices=list(choices) if choices else None,
@@ -313,6 +318,34 @@ def add_bytescale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             help=f"{help_text} (default: {f.default})",
         )
     return parser
+
+
+GIVEN_FLAGS_ATTRIBUTE = f"{FLAG_PREFIX}_flags_given"
+"""Attribute of a parsed namespace listing the ``--bytescale-*`` flags on its command line."""
+
+
+class _RecordedStore(argparse.Action):
+    """argparse's store (``nargs=0``: store ``const``, as ``store_true`` / ``store_false``) that
+    also notes the flag in ``args.bytescale_flags_given``.
+
+    A flag given with its default value is still given: without ``--bytescale-hdp`` the hooks
+    refuse every ByteScale flag on the command line, and comparing values with the defaults
+    would miss ``--bytescale-scheduler balance`` or ``--bytescale-align 1``.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        given = list(getattr(namespace, GIVEN_FLAGS_ATTRIBUTE, None) or [])
+        if option_string and option_string not in given:
+            given.append(option_string)
+        setattr(namespace, GIVEN_FLAGS_ATTRIBUTE, given)
+
+
+def given_flags(args: Any) -> list[str]:
+    """The ``--bytescale-*`` / ``--no-bytescale-*`` flags on the command line ``args`` was parsed
+    from (by :func:`add_bytescale_args`), in the order given; values do not matter."""
+    return list(getattr(args, GIVEN_FLAGS_ATTRIBUTE, None) or [])
 
 
 @lru_cache(maxsize=1)

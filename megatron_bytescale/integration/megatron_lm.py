@@ -1,7 +1,9 @@
 """The hooks a patched Megatron-LM (tag ``core_v0.16.1``) calls to train with ByteScale HDP.
 
 ``patches/megatron-lm-core_v0.16.1.patch`` adds a few calls into this module and nothing else;
-with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unchanged:
+with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unchanged (and
+:func:`check_args` refuses other ``--bytescale-*`` flags given without it, which would be
+ignored):
 
 * ``pretrain_gpt.py`` passes its dataset provider, GPT builder, forward step and extra-args
   provider through :func:`wrap_datasets_provider`, :func:`wrap_model_builder`,
@@ -33,7 +35,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name
+from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name, given_flags
 from .groups import HDPParallelLayout
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
@@ -44,6 +46,7 @@ __all__ = [
     "chain_extra_args_provider",
     "check_args",
     "extra_args_provider",
+    "flags_without_hdp",
     "forward_step",
     "hdp_forward_backward",
     "hdp_refusals",
@@ -122,8 +125,14 @@ def check_args(args: Any) -> Optional[HDPParallelLayout]:
     Called at the *start* of Megatron's ``validate_args``, so that a request for static CP,
     hybrid CP or PP gets this message rather than one of Megatron's own CP/PP assertions.
     Every refusal is reported at once by rank 0, then every rank exits with status 2.
+    Without the flag, other ``--bytescale-*`` flags on the command line are refused too
+    (:func:`flags_without_hdp`).
     """
     if not getattr(args, "bytescale_hdp", False):
+        with _exit_on_refusal(args):
+            reasons = flags_without_hdp(args)
+            if reasons:
+                raise RefusedArguments(reasons)
         return None
     with _exit_on_refusal(args):
         return _check_hdp_args(args)
@@ -135,12 +144,34 @@ def hdp_refusals(args: Any) -> list[str]:
     Checks what :func:`check_args` and :func:`validate_args` check, without changing ``args``.
     """
     if not getattr(args, "bytescale_hdp", False):
-        return []
+        return flags_without_hdp(args)
     try:
         _validated_config(args, explicit_capacity=True)
     except RefusedArguments as exc:
         return list(exc.reasons)
     return []
+
+
+def flags_without_hdp(args: Any) -> list[str]:
+    """The refusal of ``--bytescale-*`` flags given without ``--bytescale-hdp`` (empty if none).
+
+    Without the switch Megatron trains without ByteScale and every other ByteScale flag would
+    be ignored, so a user who forgot the switch would train plain Megatron without knowing.
+    A flag counts as given when it is on the command line, whatever its value (the parser
+    records it; a default value given explicitly counts). An explicit ``--no-bytescale-hdp``
+    is a deliberate choice of plain Megatron (an A/B run on one command line): then the
+    other flags are accepted and ignored.
+    """
+    given = given_flags(args)
+    switch = (flag_name("hdp"), "--no-" + flag_name("hdp")[2:])
+    if switch[1] in given:
+        return []
+    others = [flag for flag in given if flag not in switch]
+    if not others:
+        return []
+    return [f"{', '.join(others)} given without {switch[0]}: Megatron would train without "
+            f"ByteScale and ignore {'it' if len(others) == 1 else 'them'}; add {switch[0]} (or "
+            f"{switch[1]} to run plain Megatron on purpose)"]
 
 
 def _check_hdp_args(args: Any) -> HDPParallelLayout:
@@ -180,6 +211,7 @@ def validate_args(args: Any) -> ByteScaleConfig:
     Every refusal is reported at once by rank 0, then every rank exits with status 2.
     """
     if not getattr(args, "bytescale_hdp", False):
+        check_args(args)  # refuses ByteScale flags given without the switch
         return ByteScaleConfig(hdp=False)
     explicit_capacity = args.bytescale_capacity is not None
     with _exit_on_refusal(args):

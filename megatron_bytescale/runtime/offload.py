@@ -22,18 +22,24 @@ that requires grad (a pipeline stage's input: the schedule holds it until its ba
 * token-granular when it has a token dimension (the first dimension of size ``num_tokens``,
   dimension 0 in megatron-core's ``[s, b, h]`` layout and for ring attention's q/k/v/out/lse):
   its first ``ceil(r * num_tokens)`` token rows go to host memory, the other rows are copied
-  into a tensor of their own so the original's memory can be freed;
+  into a device buffer of their own so the original's memory can be freed;
 * whole tensors otherwise, while the bytes offloaded so far are below r times the eligible bytes
   seen so far in this micro-batch.
 
 Everything else (embeddings, the loss, the last layers, small or integer tensors) stays on the
-device untouched. A tensor saved twice (one object given to the hooks again) is packed once; a
-view of a storage that this micro-batch already keeps resident stays resident (offloading it
-would free nothing).
+device untouched. **Offload is by storage** (:mod:`.offload_storage`): views that share a
+storage (the attention output and the ``[s, 1, h]`` view ``linear_proj`` saves) share one copy.
+Each byte of an offloaded storage goes to the host once (when any view's rows ask for it) or
+stays in one device tail, the storage is reloaded once, and every view is rebuilt from it with
+its size, stride and storage offset. A tensor saved twice is packed once. A storage that one of
+its views keeps on the device (a view saved in a layer that is never offloaded, a pipeline
+stage's input, a view not offloaded first) stays resident for all of them: offloading another
+view of it would free nothing.
 
 **Backward**: the first saved tensor unpacked in layer ``i`` starts the reload of every
-offloaded tensor of layer ``i - 1`` on the H2D stream, so it arrives while layer ``i``
-computes; a tensor unpacked before its reload was started is reloaded on demand (counted).
+offloaded storage of layer ``i - 1`` (the last layer that saved a view of it) on the H2D
+stream, so it arrives while layer ``i`` computes; a tensor unpacked before its reload was
+started is reloaded on demand (counted).
 
 **Accounting** is measured from the tensors the hooks hold: ``peak_resident_bytes`` is the
 largest total size of the distinct storages that saved tensors kept on the device at any moment
@@ -58,6 +64,7 @@ from typing import Any, ContextManager, Iterable, Optional, Sequence
 import torch
 
 from .host_pool import HostBufferPool
+from .offload_storage import OffloadedStorage, SavedActivation, byte_span
 from .offload_streams import ActivationTransfers, StreamOps, stream_ops_for
 
 DEFAULT_KEEP_RESIDENT_LAYERS = 2
@@ -238,7 +245,8 @@ class ActivationOffloader:
             for p in module.parameters()
         }
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def track_storage(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as held on the device by a saved activation."""
         storage = tensor.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0:
@@ -251,7 +259,8 @@ class ActivationOffloader:
         else:
             entry[1] += 1
 
-    def _untrack(self, tensor: torch.Tensor) -> None:
+    def untrack_storage(self, tensor: torch.Tensor) -> None:
+        """One holder of ``tensor``'s storage let go (the storage counts until the last)."""
         storage = tensor.untyped_storage()
         entry = self._storages.get(storage.data_ptr())
         if entry is None:
@@ -278,9 +287,10 @@ class MicroBatchOffload:
         self._token_sizes = () if not num_tokens else (
             (num_tokens,) if sp == 1 or num_tokens % sp else (num_tokens, num_tokens // sp))
         self.counters = counters
-        self._layers: dict[int, list[weakref.ref]] = defaultdict(list)
+        self._layers: dict[int, list[weakref.ref]] = defaultdict(list)  # layer -> storages
         self._backward_layers: set[int] = set()
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._records: dict[int, OffloadedStorage] = {}  # data_ptr -> this forward's copies
         self._resident_storages: set[int] = set()
         self._params: set[int] = set()
         self._eligible_whole = 0
@@ -301,62 +311,112 @@ class MicroBatchOffload:
         if hooks is not None:
             hooks.__exit__(*exc)
         self._seen.clear()
+        self._records.clear()
         self._resident_storages.clear()
         self.owner._layer_stack.clear()
 
     # ------------------------------------------------------------------ pack
-    def _pack(self, tensor: torch.Tensor) -> "_SavedActivation":
+    def _pack(self, tensor: torch.Tensor) -> SavedActivation:
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor:
             handle = seen[1]()
             if handle is not None:
                 return handle
-        layer = self.owner.current_layer
-        rows = self._rows_to_offload(tensor, layer)
-        handle = _SavedActivation(self, tensor, layer, rows)
+        handle = self._saved(tensor, self.owner.current_layer)
         self._seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(handle))
-        if handle.offloaded and layer is not None:
-            self._layers[layer].append(weakref.ref(handle))
         return handle
 
-    def _rows_to_offload(self, tensor: torch.Tensor, layer: int | None) -> tuple[int, int] | None:
-        """``(token dim, rows)`` to offload (rows = the whole dim for a whole tensor), or None."""
+    def _saved(self, tensor: torch.Tensor, layer: int | None) -> SavedActivation:
+        """The handle of one saved tensor: resident, or a view of its offloaded storage."""
+        owner = self.owner
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        record = self._records.get(ptr)
+        if record is not None and not record.is_storage(storage):
+            del self._records[ptr]  # that storage was freed; its address now holds another
+            record = None
+        stays = self._must_stay_resident(tensor, layer, ptr)
+        if record is not None and stays:  # the whole storage stays: every view reads it
+            record.make_resident(tensor)
+            del self._records[ptr]
+        elif record is not None:
+            record.cover(tensor, self._host_bytes(tensor, record))
+            if layer is not None and layer > record.layer:  # its backward comes first
+                record.layer = layer
+                self._layers[layer].append(weakref.ref(record))
+            return SavedActivation(self, tensor, layer, record)
+        elif not stays and ptr not in self._resident_storages and self._eligible(tensor):
+            host = self._host_bytes(tensor, None)
+            if host > 0:
+                record = OffloadedStorage(self, storage, layer)
+                self._records[ptr] = record
+                self._layers[layer].append(weakref.ref(record))
+                record.cover(tensor, host)
+                return SavedActivation(self, tensor, layer, record)
+        # parameters and tensors on other devices are not saved activations of this device
+        tracked = tensor.device == owner.device and ptr not in self._params
+        if tracked:
+            self._resident_storages.add(ptr)
+        return SavedActivation(self, tensor, layer, tracked=tracked)
+
+    def _must_stay_resident(self, tensor: torch.Tensor, layer: int | None, ptr: int) -> bool:
+        """Whether this view keeps its whole storage on the device (then offloading any view
+        of that storage would free nothing)."""
         owner = self.owner
         if self.ratio <= 0.0 or layer is None or layer >= owner.offloadable_layers:
-            return None
-        if not tensor.is_floating_point() or tensor.device != owner.device or tensor.dim() == 0:
-            return None
-        if tensor.is_leaf and tensor.requires_grad:  # a parameter, a pipeline stage's input:
-            return None  # its owner holds it anyway, so a copy would free nothing
+            return True
+        if tensor.device != owner.device or ptr in self._params:
+            return True
+        # a parameter, a pipeline stage's input: its owner holds it anyway
+        return tensor.is_leaf and tensor.requires_grad
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        """Worth a copy of its own: floating point, at least ``min_tensor_bytes``."""
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0 or nbytes < owner.min_tensor_bytes:
-            return None
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self._params or storage in self._resident_storages:
-            return None
+        return (tensor.is_floating_point() and tensor.dim() > 0 and nbytes > 0
+                and nbytes >= self.owner.min_tensor_bytes)
+
+    def _host_bytes(self, tensor: torch.Tensor, record: OffloadedStorage | None) -> int:
+        """How many leading bytes of ``tensor``'s span go to the host (module docstring): its
+        first ``ceil(r * rows)`` token rows, or the whole tensor by the running fraction.
+
+        A view of a storage that is already offloaded but not worth a copy of its own (small,
+        integer) asks for none: its bytes stay on the device unless another view wants them.
+        """
+        if record is not None and not self._eligible(tensor):
+            return 0
+        lo, hi = byte_span(tensor)
+        size = tensor.element_size()
         dim = _token_dim(tensor, self._token_sizes)
         if dim is not None:
-            rows = min(tensor.shape[dim], math.ceil(self.ratio * tensor.shape[dim] - 1e-9))
-            return (dim, rows) if rows > 0 else None
-        self._eligible_whole += nbytes
+            rows = tensor.shape[dim]
+            offloaded = min(rows, math.ceil(self.ratio * rows - 1e-9))
+            # the first rows of a [s, b, h] tensor are the first bytes of its storage span;
+            # for any other layout, the same fraction of the span
+            return (hi - lo) // size * offloaded // rows * size
+        new = hi - lo if record is None else record.unheld_bytes(lo, hi)
+        if new == 0:
+            return 0
+        self._eligible_whole += new
         if self._offloaded_whole < self.ratio * self._eligible_whole - 1e-9:
-            self._offloaded_whole += nbytes
-            return (0, tensor.shape[0])
-        return None
+            self._offloaded_whole += new
+            return hi - lo
+        return 0
 
     # ------------------------------------------------------------------ unpack
-    def _unpack(self, handle: "_SavedActivation") -> torch.Tensor:
+    def _unpack(self, handle: SavedActivation) -> torch.Tensor:
         layer = handle.layer
         if layer is not None and layer not in self._backward_layers:
             self._backward_layers.add(layer)
-            self._reload_layer(layer - 1, prefetch=True)
+            self.reload_layer(layer - 1, prefetch=True)
         return handle.get()
 
-    def _reload_layer(self, layer: int, *, prefetch: bool) -> None:
+    def reload_layer(self, layer: int, *, prefetch: bool) -> None:
+        """Start the reload of every offloaded storage of ``layer`` (those not started yet)."""
         for ref in self._layers.pop(layer, ()):
-            handle = ref()
-            if handle is not None and handle.needs_reload:
-                handle.reload()
+            record = ref()
+            if record is not None and record.needs_reload:
+                record.reload()
                 if prefetch:
                     self.counters.prefetched_reloads += 1
                 else:
@@ -384,93 +444,3 @@ def _token_dim(tensor: torch.Tensor, token_sizes: tuple[int, ...]) -> int | None
         if size in token_sizes:
             return dim
     return None
-
-
-class _SavedActivation:
-    """What the pack hook returns: the tensor itself, or where its parts are.
-
-    States: *resident* (``kept`` holds the tensor), *offloaded* (the first ``rows`` rows along
-    ``dim`` in a host buffer, the rest in ``tail``), *reloading/reloaded* (``full`` holds the
-    whole tensor again, complete once ``ready`` has fired).
-    """
-
-    __slots__ = ("mb", "layer", "kept", "tail", "full", "ready", "offload_event", "host",
-                 "buffer", "dim", "rows", "shape", "dtype", "tracked", "__weakref__")
-
-    def __init__(self, mb: MicroBatchOffload, tensor: torch.Tensor, layer: int | None,
-                 rows: tuple[int, int] | None) -> None:
-        self.mb, self.layer = mb, layer
-        self.kept = self.tail = self.full = self.ready = None
-        self.offload_event = self.host = self.buffer = None
-        owner = mb.owner
-        if rows is None:
-            self.kept = tensor
-            storage = tensor.untyped_storage().data_ptr()
-            # parameters and tensors on other devices are not saved activations of this device
-            self.tracked = tensor.device == owner.device and storage not in mb._params
-            if self.tracked:
-                owner._track(tensor)
-                mb._resident_storages.add(storage)
-            return
-        self.tracked = True
-        self.dim, self.rows = rows
-        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
-        whole = self.rows == tensor.shape[self.dim]
-        part = tensor if whole else tensor.narrow(self.dim, 0, self.rows)
-        nbytes = part.numel() * part.element_size()
-        self.buffer = owner.pool.acquire(nbytes)
-        self.host = self.buffer[:nbytes].view(tensor.dtype).view(part.shape)
-        self.offload_event = owner.transfers.to_host(part, self.host, keep_alive=tensor)
-        if not whole:
-            rest = tensor.shape[self.dim] - self.rows
-            self.tail = tensor.narrow(self.dim, self.rows, rest).clone(memory_format=torch.contiguous_format)
-            owner._track(self.tail)
-        mb.counters.offloaded_bytes += nbytes
-        mb.counters.offloaded_tensors += 1
-
-    @property
-    def offloaded(self) -> bool:
-        return self.kept is None
-
-    @property
-    def needs_reload(self) -> bool:
-        return self.kept is None and self.full is None
-
-    def reload(self) -> None:
-        """Start copying the offloaded rows back (H2D stream) into a new whole tensor."""
-        owner = self.mb.owner
-        full = torch.empty(self.shape, dtype=self.dtype, device=owner.device)
-        if self.tail is not None:
-            full.narrow(self.dim, self.rows, self.tail.shape[self.dim]).copy_(self.tail)
-            owner._untrack(self.tail)
-            self.tail = None
-        head = full if self.rows == self.shape[self.dim] else full.narrow(self.dim, 0, self.rows)
-        self.ready = owner.transfers.to_device(self.host, head, after=self.offload_event)
-        owner.pool.release(self.buffer, ready=self.ready)
-        self.mb.counters.reloaded_bytes += self.host.numel() * self.host.element_size()
-        self.buffer = self.host = self.offload_event = None
-        self.full = full
-        owner._track(full)
-
-    def get(self) -> torch.Tensor:
-        """The saved tensor, on the device, safe to use on the compute stream."""
-        if self.kept is not None:
-            return self.kept
-        if self.full is None:  # its reload was not started ahead: the whole layer now
-            if self.layer is not None:
-                self.mb._reload_layer(self.layer, prefetch=False)
-            if self.full is None:
-                self.reload()
-                self.mb.counters.on_demand_reloads += 1
-        if self.ready is not None:
-            self.mb.owner.transfers.wait(self.ready)
-            self.ready = None
-        return self.full
-
-    def __del__(self) -> None:
-        owner = self.mb.owner
-        for tensor in (self.kept, self.tail, self.full):
-            if tensor is not None and self.tracked:
-                owner._untrack(tensor)
-        if self.buffer is not None:  # never reloaded (no backward): the copy may still run
-            owner.pool.release(self.buffer, ready=self.offload_event)

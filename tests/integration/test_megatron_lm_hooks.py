@@ -209,6 +209,40 @@ def test_without_the_flag_the_hooks_are_megatron():
     assert calls == ["builder", "provider", "forward"]
 
 
+@pytest.mark.parametrize("argv", [
+    ("--bytescale-capacity", "128"),
+    ("--bytescale-scheduler", "balance"),  # its default value, given: still a given flag
+    ("--bytescale-align", "1"),
+    ("--bytescale-offload",),
+    ("--no-bytescale-check-plan-hash",),
+    ("--bytescale-check-plan-hash",),  # a bool flag at its default
+    ("--bytescale-ranks-per-node", "8", "--bytescale-two-level-ring"),
+])
+def test_bytescale_flags_without_the_switch_are_refused_naming_them(argv, capsys):
+    """A user who forgets --bytescale-hdp would otherwise train plain Megatron unknowingly."""
+    flags = [a for a in argv if a.startswith("--")]
+    for hook in (megatron_lm.check_args, megatron_lm.validate_args):
+        with pytest.raises(SystemExit) as exit_info:
+            hook(megatron_namespace(*argv))
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("megatron_bytescale: error: "), err
+        assert ", ".join(flags) + " given without --bytescale-hdp" in err
+        assert "add --bytescale-hdp" in err
+    assert len(megatron_lm.hdp_refusals(megatron_namespace(*argv))) == 1
+    with_switch = megatron_lm.hdp_refusals(megatron_namespace("--bytescale-hdp", *argv))
+    assert not any("without --bytescale-hdp" in reason for reason in with_switch)
+    # rank 3 says nothing (rank 0 speaks for every rank) but exits the same way
+    with pytest.raises(SystemExit):
+        megatron_lm.check_args(megatron_namespace(*argv, rank=3))
+    assert capsys.readouterr().err == ""
+    # an explicit --no-bytescale-hdp chooses plain Megatron on purpose: accepted, unchanged
+    args = megatron_namespace("--no-bytescale-hdp", *argv)
+    before = dict(vars(args))
+    assert megatron_lm.check_args(args) is None and megatron_lm.validate_args(args).hdp is False
+    assert vars(args) == before and megatron_lm.hdp_refusals(args) == []
+
+
 def test_with_the_flag_the_wrappers_dispatch_to_hdp(monkeypatch):
     from megatron_bytescale.integration import megatron_lm_step
 

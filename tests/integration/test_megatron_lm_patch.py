@@ -57,12 +57,14 @@ ARGS = ("context_parallel_size", "data_parallel_size", "calculate_per_token_loss
 
 def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_lm):
     hdp = [*TINY_GPT, "--bytescale-hdp"]
-    ok, cp, pp, plain = validate_megatron_flags(patched_megatron_lm, [
+    ok, cp, pp, plain, forgot, default = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
         [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--num-layers-per-virtual-pipeline-stage", "1"],
-        [*TINY_GPT, "--bytescale-capacity", "128"],
+        TINY_GPT,
+        [*TINY_GPT, "--bytescale-capacity", "128"],  # forgot --bytescale-hdp
+        [*TINY_GPT, "--bytescale-scheduler", "balance"],  # its default, given
     ], ARGS, world_size=4)
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
     # refusals: one report from rank 0 and exit status 2, no traceback
@@ -72,6 +74,11 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
     # flag off: Megatron's own behaviour
     assert plain.values["calculate_per_token_loss"] is False
     assert plain.values["dataloader_type"] == "single"
+    # a ByteScale flag without the switch would be silently ignored: refused, naming it
+    for refused, flag in ((forgot, "--bytescale-capacity"), (default, "--bytescale-scheduler")):
+        assert (refused.error, refused.message) == ("SystemExit", "2"), refused
+        assert refused.stderr.count("\n") == 1
+        assert f"{flag} given without --bytescale-hdp" in refused.stderr
 
 
 PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

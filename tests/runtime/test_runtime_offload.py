@@ -298,12 +298,13 @@ def test_streams_are_ordered_like_the_gpu_path_needs(x0):
 def test_sequence_parallel_rows_are_token_rows_too(x0):
     """With Megatron's sequence parallelism a TP rank's layernorm region holds T / tp rows."""
 
-    class Half(torch.nn.Module):  # saves a [T/2, 1, H] tensor (the SP region) and a [T, 1, H] one
+    class Half(torch.nn.Module):  # saves a [T/2, 1, H] tensor (the SP region) and [T, 1, H] ones
         def forward(self, x):
-            return torch.cat([torch.sin(x[: T // 2]) * 2, x[T // 2:]]) * torch.cos(x)
+            y = x[: T // 2] * 2  # a storage of its own (a view of x would share x's copy)
+            return torch.cat([torch.sin(y), x[T // 2:]]) * torch.cos(x)
 
     layers = torch.nn.ModuleList([Half() for _ in range(3)])
-    # saved in layer 0: sin's input (a [T/2] view of x), x (by cos), cat's and cos's outputs
+    # saved in layer 0: sin's input y [T/2], x (by cos), cat's and cos's outputs
     for sp, view_rows in ((1, T // 2), (2, T // 4)):  # sp=1: the view goes whole (no token dim)
         offloader = ActivationOffloader(layers, min_tensor_bytes=0, sequence_parallel_size=sp)
         x = x0.clone().requires_grad_()
