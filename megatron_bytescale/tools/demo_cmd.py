@@ -126,6 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             f"--data {args.data!r} names no dataset; give one or more of "
             f"{', '.join(BUILTIN_DATASETS)}, a .jsonl file or a Megatron indexed prefix"
         )
+    if not args.out.strip():
+        raise ValueError("--out is empty; give the directory for the results, e.g. out/demo")
     capacity = config.capacity or DEFAULT_CAPACITY
     context = config.context_length or args.ranks * capacity
     return DemoSettings(

@@ -87,13 +87,59 @@ def profile_lengths(args: argparse.Namespace) -> list[int]:
     return lengths
 
 
+def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
+    """The model and launch flags, checked before any worker starts (a bad one would otherwise
+    end every rank with a traceback); ValueError names the flag. ``world_size``: the processes
+    of the job (None: not known yet)."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "tensor_model_parallel_size", "num_lengths", "repeats"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} ({value}) must be >= 1")
+    for flag in ("num_query_groups", "ffn_hidden_size", "max_position_embeddings", "min_length",
+                 "max_length"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} ({value}) must be >= 1")
+    if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 1024:
+        raise ValueError(f"--nproc-per-node ({args.nproc_per_node}) must be from 1 to 1024 "
+                         "(leave it out for one per GPU, or 2 on CPU)")
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    groups = args.num_query_groups or heads
+    if args.hidden_size % heads or heads % groups:
+        raise ValueError(f"--hidden-size ({args.hidden_size}) must divide by --num-attention-heads ({heads}) "
+                         f"and that by --num-query-groups ({groups})")
+    if heads % tp or groups % tp:
+        raise ValueError(f"--num-attention-heads ({heads}) and --num-query-groups ({groups}) must divide by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if world_size is not None and world_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) must divide the {world_size} processes "
+                         f"(--nproc-per-node); use {tp} or a multiple of it")
+    if args.seed < 0:
+        raise ValueError(f"--seed ({args.seed}) must be >= 0")
+    if not args.out:
+        raise ValueError("--out is empty; give the cost model JSON file to write")
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """Processes of the job: torchrun's WORLD_SIZE, else what :func:`launch` will start."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc_per_node is not None:
+        return args.nproc_per_node
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_model_flags(args, None)
         lengths = profile_lengths(args)
-        if args.repeats < 1:
-            raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
+        check_model_flags(args, _world_size(args))
     except ValueError as exc:
         parser.error(str(exc))
     if "WORLD_SIZE" in os.environ:
@@ -105,7 +151,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them."""
     import torch
 
-    nproc = args.nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    nproc = _world_size(args)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(nproc), "-m", "megatron_bytescale.tools.profile_cmd", *argv]
     env = dict(os.environ)

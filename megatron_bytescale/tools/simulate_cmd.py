@@ -31,6 +31,8 @@ from .plan_inputs import (
     load_cost_model,
     load_lengths,
     load_topology,
+    check_global_tokens,
+    model_name,
     positive_int,
     run_command,
 )
@@ -119,7 +121,7 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
     tp = args.tensor_model_parallel_size
     if tp is None:
-        tp = 1 if args.cost_model else model_spec(args.model).tensor_parallel_size
+        tp = 1 if args.cost_model else model_spec(model_name(args)).tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size ({tp}) must be >= 1")
     return tp
@@ -137,7 +139,7 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     elif args.cost_model:
         total = 0.0
     else:
-        total = parameter_count(model_spec(args.model))["total"]
+        total = parameter_count(model_spec(model_name(args)))["total"]
     for flag in ("load_s", "plan_time_s"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < float("inf"):
@@ -164,7 +166,19 @@ def _contexts(args: argparse.Namespace) -> list[int | None]:
         raise ValueError("--contexts sweeps synthetic batches; drop the lengths file or --contexts")
     if args.context_length is not None:
         raise ValueError("give either --context-length or --contexts, not both")
-    return [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
+    from ..planner.plan import MAX_SEQUENCE_LENGTH
+
+    contexts = []
+    for text in args.contexts.split(","):
+        try:
+            value = parse_tokens(text)
+        except ValueError as exc:
+            raise ValueError(f"--contexts {args.contexts!r}: {exc}") from None
+        if value > MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"--contexts {args.contexts!r}: {text.strip()!r} is longer than the "
+                             f"{MAX_SEQUENCE_LENGTH:,} (2**40) tokens a sequence may have")
+        contexts.append(value)
+    return contexts
 
 
 # --------------------------------------------------------------------------- main
@@ -193,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         lengths_for = lambda context, step: file_lengths  # noqa: E731
     else:
         name = args.synthetic or "byted"
+        check_global_tokens(args.global_tokens)
         source = f"synthetic {name} ({args.global_tokens:,} tokens per step, seed {args.seed}"
         source += f"..{args.seed + args.steps - 1})" if args.steps > 1 else ")"
 
