@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = "cost_model.json"
@@ -178,14 +177,15 @@ def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("nccl" if on_cuda else "gloo")
+    saved = True
     try:
         result = _profile(args, config, lengths, on_cuda=on_cuda)
+        dist.barrier()  # every collective done: a failed write on rank 0 cannot strand the others
         if dist.get_rank() == 0:
-            _report(args, result)
-        dist.barrier()
+            saved = _report(args, result)
     finally:
         dist.destroy_process_group()
-    return 0
+    return 0 if saved else 1
 
 
 def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cuda: bool) -> Any:
@@ -233,16 +233,27 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
                          ranks_per_node=max(1, local // tp))
 
 
-def _report(args: argparse.Namespace, result: Any) -> None:
+def _report(args: argparse.Namespace, result: Any) -> bool:
+    """Print the fit and write the files (each printed on stdout if it cannot be written);
+    returns whether everything was saved."""
     from megatron_bytescale.planner.profile import format_report
 
+    from .results_io import save_or_print
+
     print(format_report(result))
-    result.cost_model.save(args.out)
-    print(f"cost model: {args.out}  (bytescale plan --cost-model {args.out}; "
-          f"pretrain_gpt.py --bytescale-cost-model {args.out})")
+    prog = "bytescale profile"
+    saved = save_or_print(args.out, json.dumps(result.cost_model.to_dict(), indent=2) + "\n",
+                          what="cost model JSON", prog=prog)
+    if saved:
+        print(f"cost model: {args.out}  (bytescale plan --cost-model {args.out}; "
+              f"pretrain_gpt.py --bytescale-cost-model {args.out})")
     if args.report:
-        Path(args.report).write_text(json.dumps(result.to_dict(), indent=1) + "\n", encoding="utf-8")
-        print(f"report:     {args.report}")
+        if save_or_print(args.report, json.dumps(result.to_dict(), indent=1) + "\n", what="profile report",
+                         prog=prog):
+            print(f"report:     {args.report}")
+        else:
+            saved = False
+    return saved
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from .plan_inputs import (
@@ -229,9 +228,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"({NOTE})")
     for line in errors(summaries):
         print(line)
+    status = 0
     if args.json:
-        _write_json(args, setup, summaries, source, overhead_line)
-        print(f"wrote {args.json}")
+        if _write_json(args, setup, summaries, source, overhead_line):
+            print(f"wrote {args.json}")
+        else:
+            status = 1
     if args.plot:
         from ..sim.plots import plot_sweep
 
@@ -247,10 +249,13 @@ def run(args: argparse.Namespace) -> int:
         print("throughput drop per context doubling: " + ", ".join(
             f"{k} {v:.2f}x" for k, v in drops.items() if v == v) + f" (over {format_tokens(contexts[0])}"
               f"-{format_tokens(contexts[-1])})")
-    return 0
+    return status
 
 
-def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], source: str, overheads: str) -> None:
+def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], source: str, overheads: str) -> bool:
+    """Write every result as JSON to ``--json`` (printed on stdout if that fails); saved?"""
+    from .results_io import save_or_print
+
     data = {
         "version": 1,
         "source": source,
@@ -259,9 +264,8 @@ def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], 
         "cost_model": setup.cost_model.to_dict(), "overheads": overheads,
         "results": [s.to_dict(per_rank=True) for s in summaries],
     }  # fmt: skip
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return save_or_print(args.json, json.dumps(data, indent=1) + "\n", what="simulation results JSON",
+                         prog="bytescale simulate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

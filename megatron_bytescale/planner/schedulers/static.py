@@ -86,11 +86,11 @@ def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: i
         need_slots = n if cp == 1 else 2 * zigzag_chunk(n, cp, align)
         b = free.first_fit(n, need_slots)
         if b < 0:
-            b = len(bins)
-            bins.append([])
-            free.set(b, context, capacity)
-        bins[b].append(pos)
-        free.take(b, n, need_slots)
+            free.set(len(bins), context - n, capacity - need_slots)
+            bins.append([pos])
+        else:
+            bins[b].append(pos)
+            free.take(b, n, need_slots)
     return bins
 
 
@@ -138,6 +138,8 @@ class _FreeSpace:
     def first_fit(self, tokens_needed: int, slots_needed: int) -> int:
         """The lowest bin with at least that many free tokens and slots, or -1."""
         tokens, slots, size = self.tokens, self.slots, self.size
+        if tokens[1] < tokens_needed or slots[1] < slots_needed:
+            return -1  # no open bin has room (all full, or none yet): the common case
         stack = [1]
         while stack:
             i = stack.pop()
