@@ -34,6 +34,8 @@ class LengthsFileError(ValueError):
 
 def read_lengths(path: str | Path) -> np.ndarray:
     """Lengths from a text or JSON file, as int64 (see the module docstring)."""
+    if not Path(path).exists():
+        raise LengthsFileError(f"lengths file {str(path)!r} does not exist")
     try:
         p = check_regular_file(path, "lengths file")  # a FIFO would block open() forever
     except ValueError as exc:

@@ -508,9 +508,10 @@ def _check_field_types(data: Mapping[str, Any]) -> None:
     for name in ("name", "source"):
         if name in data and not isinstance(data[name], str):
             raise ValueError(f"cost model field {name!r} ({data[name]!r:.60}) must be a string")
-    for name in ("num_layers", "ranks_per_node"):
-        if name in data:
-            bounded_int(data[name], f"cost model field {name!r}", low=1, high=2**31 - 1)
+    for name in ("num_layers", "ranks_per_node"):  # types and >= 1: __post_init__
+        value = data.get(name)
+        if isinstance(value, int) and value > 2**31 - 1:
+            bounded_int(value, name, low=1, high=2**31 - 1)
     for name, value in data.items():
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1000:
             raise ValueError(f"cost model field {name!r} is an integer of about "

@@ -50,7 +50,7 @@ def check_regular_file(path: str | Path, what: str) -> Path:
     try:
         mode = os.stat(p).st_mode
     except FileNotFoundError:
-        raise ValueError(f"{what} {str(p)!r} does not exist") from None
+        raise ValueError(f"cannot read {what} {str(p)!r}: it does not exist") from None
     except OSError as exc:
         raise ValueError(f"cannot read {what} {str(p)!r}: {exc.strerror or exc}") from None
     if stat.S_ISREG(mode):
@@ -75,7 +75,7 @@ def read_text_file(path: str | Path, what: str, *, max_bytes: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text (byte {exc.start:,}): a binary file?") from None
+        raise ValueError(f"{what} {str(p)!r} is not text (not UTF-8 at byte {exc.start:,}): a binary file?") from None
 
 
 def json_depth(text: str) -> int:
@@ -98,19 +98,19 @@ def loads_json(text: str, what: str) -> Any:
     if bare.count("[") + bare.count("{") > MAX_JSON_DEPTH:  # most files cannot nest that deep
         depth = _bracket_depth(bare)
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"{what}: JSON nested {depth:,} levels deep (at most {MAX_JSON_DEPTH}); "
+            raise ValueError(f"{what} is not valid JSON here: it nests {depth:,} levels deep (at most {MAX_JSON_DEPTH}); "
                              "is it the right file?")
     long_int = _LONG_INT.search(bare)
     if long_int:
         digits = len(long_int.group().lstrip("-"))
-        raise ValueError(f"{what}: a number of {digits:,} digits ({long_int.group()[:12]}...) is out of "
+        raise ValueError(f"{what} holds a number of {digits:,} digits ({long_int.group()[:12]}...): out of "
                          f"range (at most {MAX_INT_DIGITS} digits)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{what}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        raise ValueError(f"{what} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{what}: unreadable JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+        raise ValueError(f"{what} is not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
 
 
 def split_lines(text: str) -> list[str]:

@@ -293,7 +293,7 @@ class StepPlan:
         try:
             data = loads_json(text, "plan")  # nesting depth and number sizes bounded
         except ValueError as exc:
-            raise PlanError(f"plan is not valid JSON: {exc}") from None
+            raise PlanError(str(exc)) from None
         return cls.from_dict(data)
 
     # ------------------------------------------------------------------ hash
@@ -318,10 +318,11 @@ def _as_int(value: Any, where: str) -> int:
     return int(value)
 
 
-def _as_fraction(value: Any, where: str) -> float:
-    """A JSON number in [0, 1] (a string such as "0" or a bool is refused, not converted)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise PlanError(f"malformed plan: {where} must be a number from 0 to 1, got {value!r:.60}")
+def _as_number(value: Any, where: str) -> float:
+    """A JSON number (a string such as "0" or a bool is refused, not converted; the range is
+    :meth:`StepPlan.validate`'s to check)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlanError(f"malformed plan: {where} must be a number, got {value!r:.60}")
     return float(value)
 
 
@@ -366,7 +367,7 @@ def _micro_batch_from_dict(mb: Mapping[str, Any], where: str) -> MicroBatch:
     return MicroBatch(
         order=_as_int(mb["order"], f"{where}.order"),
         ring=tuple(_as_int(x, f"{where}.ring") for x in _as_list(mb["ring"], f"{where}.ring")),
-        offload_ratio=_as_fraction(mb.get("offload_ratio", 0.0), f"{where}.offload_ratio"),
+        offload_ratio=_as_number(mb.get("offload_ratio", 0.0), f"{where}.offload_ratio"),
         seqs=tuple(_as_int(x, f"{where}.seqs") for x in _as_list(seqs, f"{where}.seqs")),
         pieces=tuple(
             Piece(seq=_as_int(p["seq"], f"{where}.pieces[{k}].seq"),

@@ -199,6 +199,6 @@ def load_topology(args: argparse.Namespace, cost_model: Any) -> Any:
         return Topology.from_node_map(nodes)
     if args.ranks_per_node is not None:
         if not 1 <= args.ranks_per_node <= 2**31 - 1:
-            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be from 1 to {2**31 - 1:,}")
+            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1 (at most {2**31 - 1:,})")
         return Topology(ranks_per_node=args.ranks_per_node)
     return Topology.of(cost_model)
