@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .demo_process import Interrupted, run_supervised
-from .demo_worker_env import PROGRESS_BAR_ENV, RESULTS_ENV
+from .demo_process import PROGRESS_BAR_ENV, RESULTS_ENV, Interrupted, run_supervised
 from .demo_settings import BUILTIN_DATASETS, DEFAULT_MODES, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
 
 DEFAULT_CAPACITY = 512
