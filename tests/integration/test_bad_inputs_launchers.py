@@ -84,6 +84,7 @@ DEMO_CASES = [
     ("index-empty-bin", ["--data", "{empty_bin}"], "empty_bin.bin is truncated: 0 bytes, its index describes 4000"),
     # a hang: open() of a FIFO waits for a writer
     ("jsonl-fifo", ["--data", "{fifo.jsonl}"], "is a FIFO (named pipe); give a regular file"),
+    ("cost-model-fifo", ["--bytescale-cost-model", "{fifo.jsonl}"], "is a FIFO (named pipe); give a regular file"),
     # unbounded memory in the launcher
     ("micro-batches-1e8", ["--micro-batches-per-rank", "100000000"],
      "= 12,800,000,000 tokens: more than the 16,777,216 a CPU demo holds"),
@@ -186,4 +187,4 @@ def test_demo_results_are_printed_when_the_output_directory_fails(tmp_path, caps
 
 def test_table_size():
     """The counts docs/testing.md quotes for this file."""
-    assert (len(DEMO_CASES), len(PROFILE_CASES)) == (17, 6)
+    assert (len(DEMO_CASES), len(PROFILE_CASES)) == (18, 6)
