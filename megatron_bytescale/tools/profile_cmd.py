@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -147,8 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them."""
-    import torch
+    """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them.
+
+    Started like the demo's (:func:`.demo_process.run_supervised`): in their own session, with
+    their output relayed until a signal arrives, so Ctrl-C is one line, not a traceback per rank.
+    """
+    import signal
+
+    from .demo_process import Interrupted, run_supervised
 
     nproc = _world_size(args)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -156,11 +161,15 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
-    completed = subprocess.run(command, env=env, check=False)
-    if completed.returncode != 0:
-        print(f"bytescale profile: the workers failed (exit code {completed.returncode}); see above",
-              file=sys.stderr)
-    return completed.returncode
+    try:
+        returncode = run_supervised(command, env=env)
+    except Interrupted as exc:
+        what = "interrupted (SIGINT)" if exc.signum == signal.SIGINT else str(exc)
+        print(f"bytescale profile: {what}; torchrun and its workers were stopped", file=sys.stderr)
+        return 128 + exc.signum
+    if returncode != 0:
+        print(f"bytescale profile: the workers failed (exit code {returncode}); see above", file=sys.stderr)
+    return returncode
 
 
 def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:

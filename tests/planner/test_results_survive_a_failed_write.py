@@ -43,7 +43,7 @@ def test_json_under_a_regular_file_is_printed_instead(tmp_path, capsys, main, ar
     code = main([*argv, "--json", str(target), "--quiet"])
     out, err = capsys.readouterr()
     assert code == 1, err
-    assert f"could not write the" in err and f"'{target}'" in err and "Traceback" not in err, err
+    assert "could not write the" in err and f"'{target}'" in err and "Traceback" not in err, err
     start = out.index("{")
     printed, _ = json.JSONDecoder().raw_decode(out[start:])
     assert printed["hdp_size"] == 16  # the whole JSON is on stdout
