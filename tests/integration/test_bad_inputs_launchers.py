@@ -185,6 +185,23 @@ def test_demo_results_are_printed_when_the_output_directory_fails(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_worker_that_cannot_hand_over_prints_the_results(tmp_path, capsys, monkeypatch):
+    """Rank 0 writes after the last collective; if even the hand-over file fails, the results
+    go to stdout and the rank says where they could not go (no traceback)."""
+    from megatron_bytescale.tools.demo_process import RESULTS_ENV
+    from megatron_bytescale.tools.demo_settings import DemoSettings
+    from megatron_bytescale.tools.demo_worker import hand_over_results
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(RESULTS_ENV, str(blocker / "results.json"))
+    results = {"calibration": {"cost_model": {"name": "c"}}, "datasets": {"d": {}}}
+    assert not hand_over_results(results, DemoSettings(out_dir=str(tmp_path / "out")))
+    out, err = capsys.readouterr()
+    assert json.loads(out) == results
+    assert f"could not write the results JSON to '{blocker / 'results.json'}'" in err
+
+
 def test_table_size():
     """The counts docs/testing.md quotes for this file."""
     assert (len(DEMO_CASES), len(PROFILE_CASES)) == (18, 6)
