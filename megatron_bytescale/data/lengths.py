@@ -85,7 +85,10 @@ def _parse_text(text: str, name: str) -> np.ndarray:
         if not line or line.startswith("#"):
             continue
         try:  # ASCII digits only: int() would also read 5_000, Arabic-Indic or fullwidth digits
-            value = parse_decimal(line, f"{name}, line {lineno}", max_digits=30)
+            if line.isascii() and line.isdigit() and len(line) <= 30:  # the common case, fast
+                value = int(line)
+            else:  # a sign, or something to name in the message
+                value = parse_decimal(line, f"{name}, line {lineno}", max_digits=30)
         except ValueError as exc:
             raise LengthsFileError(
                 f"{exc}; expected one positive integer (a sequence length in tokens) per line"
