@@ -15,13 +15,14 @@ shuffle, so every rank of a job reads the same stream.
 
 from __future__ import annotations
 
-import json
 import re
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Literal
 
 import numpy as np
+
+from megatron_bytescale.planner.inputs import check_regular_file, loads_json
 
 BYTE_VOCAB_SIZE = 256
 
@@ -90,20 +91,27 @@ def stdlib_documents(
 def jsonl_documents(
     path: str | Path, *, field: str = "text", min_tokens: int = 2, repeat: bool = True
 ) -> Iterator[np.ndarray]:
-    """Byte tokens of ``field`` of every line of a JSON-lines file, in file order."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"jsonl file {file} does not exist")
+    """Byte tokens of ``field`` of every line of a JSON-lines file, in file order.
+
+    Lines are split on ``\\n`` only and each is decoded on its own, so a binary or non-UTF-8
+    file is an error naming the file and line, and every line goes through the bounded JSON
+    reader (nesting depth, number sizes).
+    """
+    file = check_regular_file(path, "jsonl file")  # a FIFO would block open() forever
     while True:
         found = False
-        with file.open(encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, start=1):
+        with file.open("rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(
+                        f"{file}:{line_number}: not UTF-8 text (byte {exc.start} of the line); a jsonl "
+                        "file holds one JSON object per line, e.g. {\"text\": \"...\"}"
+                    ) from None
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{file}:{line_number}: not valid JSON ({exc})") from exc
+                record = loads_json(line, f"{file}:{line_number}")
                 if not isinstance(record, dict) or field not in record:
                     raise ValueError(f"{file}:{line_number}: no {field!r} field")
                 text = record[field]

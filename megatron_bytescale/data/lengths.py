@@ -16,11 +16,11 @@ megatron-core).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from megatron_bytescale.planner.inputs import check_regular_file, loads_json, parse_decimal, split_lines
 from megatron_bytescale.planner.plan import MAX_SEQUENCE_LENGTH
 
 MAX_FILE_BYTES = 256 * 2**20
@@ -34,11 +34,12 @@ class LengthsFileError(ValueError):
 
 def read_lengths(path: str | Path) -> np.ndarray:
     """Lengths from a text or JSON file, as int64 (see the module docstring)."""
-    p = Path(path)
-    if not p.exists():
-        raise LengthsFileError(f"lengths file {str(p)!r} does not exist")
-    if p.is_dir():
-        raise LengthsFileError(f"lengths file {str(p)!r} is a directory, not a file")
+    if not Path(path).exists():
+        raise LengthsFileError(f"lengths file {str(path)!r} does not exist")
+    try:
+        p = check_regular_file(path, "lengths file")  # a FIFO would block open() forever
+    except ValueError as exc:
+        raise LengthsFileError(str(exc)) from None
     text = _read_bounded(p)
     if text.lstrip()[:1] in ("[", "{"):
         return _parse_json(text, str(p))
@@ -79,16 +80,18 @@ def _read_bounded(p: Path) -> str:
 
 def _parse_text(text: str, name: str) -> np.ndarray:
     values: list[int] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+    for lineno, raw in enumerate(split_lines(text), start=1):  # only \n and \r\n end a line
+        line = raw.strip(" \t")
         if not line or line.startswith("#"):
             continue
-        try:
-            value = int(line)
-        except ValueError:
+        try:  # ASCII digits only: int() would also read 5_000, Arabic-Indic or fullwidth digits
+            if line.isascii() and line.isdigit() and len(line) <= 30:  # the common case, fast
+                value = int(line)
+            else:  # a sign, or something to name in the message
+                value = parse_decimal(line, f"{name}, line {lineno}", max_digits=30)
+        except ValueError as exc:
             raise LengthsFileError(
-                f"{name}, line {lineno}: {line[:40]!r} is not an integer; expected one positive "
-                f"integer (a sequence length in tokens) per line"
+                f"{exc}; expected one positive integer (a sequence length in tokens) per line"
             ) from None
         if value < 1:
             raise LengthsFileError(f"{name}, line {lineno}: length {value} must be >= 1")
@@ -100,11 +103,9 @@ def _parse_text(text: str, name: str) -> np.ndarray:
 
 def _parse_json(text: str, name: str) -> np.ndarray:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LengthsFileError(f"{name}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        raise LengthsFileError(f"{name}: unreadable JSON: {exc}") from None
+        data = loads_json(text, name)  # nesting depth and number sizes bounded
+    except ValueError as exc:
+        raise LengthsFileError(str(exc)) from None
     if not isinstance(data, list):
         kind = {dict: "an object", str: "a string"}.get(type(data), type(data).__name__)
         raise LengthsFileError(

@@ -13,7 +13,11 @@ import struct
 import warnings
 from pathlib import Path
 
+from typing import NamedTuple
+
 import numpy as np
+
+from megatron_bytescale.planner.inputs import check_regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +43,27 @@ def read_indexed_lengths(path: str | Path, *, multimodal: bool = False) -> np.nd
         ValueError: the index is missing or is not a Megatron index file (the message names it).
         ImportError: megatron-core is not installed.
     """
+    index = read_index(path, multimodal=multimodal)
+    return checked_document_lengths(index.sequence_lengths, index.document_indices, name=str(index.path))
+
+
+class IndexArrays(NamedTuple):
+    """What an ``.idx`` file says, copied out of megatron-core's reader."""
+
+    path: Path
+    dtype: np.dtype
+    sequence_lengths: np.ndarray
+    sequence_pointers: np.ndarray
+    document_indices: np.ndarray
+
+
+def read_index(path: str | Path, *, multimodal: bool = False) -> IndexArrays:
+    """The arrays of the index file of ``path`` (prefix, ``.idx`` or ``.bin``); ValueError
+    naming the file if it is missing, not a regular file or not a Megatron index."""
     idx = index_path(path)
-    if not idx.is_file():
+    if not idx.exists():
         raise ValueError(f"Megatron index file {str(idx)!r} does not exist")
+    check_regular_file(idx, "Megatron index file")  # a FIFO would block open() forever
     try:
         with warnings.catch_warnings():  # megatron.core warns about TE/apex on import
             warnings.simplefilter("ignore", UserWarning)
@@ -59,11 +81,47 @@ def read_indexed_lengths(path: str | Path, *, multimodal: bool = False) -> np.nd
         ) from exc
     try:
         # copies: the reader unmaps the file when it goes away, and views would then dangle
-        seq = np.array(reader.sequence_lengths, dtype=np.int64, copy=True)
-        bounds = np.array(reader.document_indices, dtype=np.int64, copy=True)
+        return IndexArrays(
+            path=idx, dtype=np.dtype(reader.dtype),
+            sequence_lengths=np.array(reader.sequence_lengths, dtype=np.int64, copy=True),
+            sequence_pointers=np.array(reader.sequence_pointers, dtype=np.int64, copy=True),
+            document_indices=np.array(reader.document_indices, dtype=np.int64, copy=True),
+        )
     finally:
         del reader
-    return checked_document_lengths(seq, bounds, name=str(idx))
+
+
+def check_token_layout(index: IndexArrays, bin_size: int) -> None:
+    """Check that the index describes its ``.bin`` the way Megatron writes one: an integer
+    token dtype, sequences stored back to back from byte 0 (each pointer = the previous
+    pointer + the previous length x the dtype's size), and a ``.bin`` that holds them all.
+
+    A changed dtype code, an overlapping or corrupt pointer or a short ``.bin`` would
+    otherwise be read as other tokens (garbage) or fail deep inside numpy.
+    """
+    name = str(index.path)
+    if index.dtype.kind not in "iu":
+        raise ValueError(f"{name!r}: token dtype {index.dtype} is not an integer type; the dtype code "
+                         "in the header is corrupt (write the dataset again with preprocess_data.py)")
+    seq, ptr = index.sequence_lengths, index.sequence_pointers
+    if len(seq) == 0:
+        return
+    itemsize = index.dtype.itemsize
+    expected = np.concatenate([[0], np.cumsum(seq[:-1] * itemsize)])
+    wrong = np.flatnonzero(ptr != expected)
+    if len(wrong):
+        i = int(wrong[0])
+        raise ValueError(
+            f"{name!r}: sequence {i} starts at byte {int(ptr[i])} of the .bin, but with {itemsize}-byte "
+            f"{index.dtype} tokens the sequences before it end at byte {int(expected[i])}: the sequence "
+            "pointers or the dtype code are corrupt (write the dataset again with preprocess_data.py)"
+        )
+    needed = int(expected[-1] + seq[-1] * itemsize)
+    if bin_size < needed:
+        raise ValueError(
+            f"{name[:-4]}.bin is truncated: {bin_size} bytes, its index describes {needed}; copy "
+            "the file again or write the dataset again"
+        )
 
 
 def checked_document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, *, name: str) -> np.ndarray:

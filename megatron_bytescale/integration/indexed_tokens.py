@@ -31,43 +31,45 @@ def open_indexed_dataset(prefix: str | Path) -> "IndexedDataset":
         warnings.simplefilter("ignore", UserWarning)
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from .indexed_lengths import checked_document_lengths, read_indexed_lengths
+    from megatron_bytescale.planner.inputs import check_regular_file
 
-    read_indexed_lengths(str(prefix) + ".idx")  # a readable index without negative lengths
+    from .indexed_lengths import check_token_layout, checked_document_lengths, read_index
+
+    index = read_index(str(prefix) + ".idx")
+    checked_document_lengths(index.sequence_lengths, index.document_indices, name=f"{prefix}.idx")
+    if len(index.sequence_lengths) == 0:
+        raise ValueError(f"indexed dataset {prefix} has no sequences")
+    bin_path = check_regular_file(str(prefix) + ".bin", "Megatron data file")
+    # checked before megatron-core opens the .bin: on a bad one it fails in its constructor
+    # and then again in __del__ ("Exception ignored in ...")
+    check_token_layout(index, bin_path.stat().st_size)
     try:
         dataset = IndexedDataset(str(prefix))
     except Exception as exc:  # noqa: BLE001 - megatron-core raises many kinds on bad files
         raise ValueError(f"{prefix}: not a readable Megatron indexed dataset ({exc})") from exc
-    index = dataset.index
-    checked_document_lengths(index.sequence_lengths, index.document_indices, name=f"{prefix}.idx")
-    if len(index):
-        itemsize = np.dtype(index.dtype).itemsize
-        needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * itemsize
-        have = Path(str(prefix) + ".bin").stat().st_size
-        if have < needed:
-            raise ValueError(
-                f"{prefix}.bin is truncated: {have} bytes, its index describes {needed}; copy "
-                "the file again or write the dataset again"
-            )
     return dataset
 
 
 def indexed_documents(
     prefix: str | Path, *, min_tokens: int = 2, repeat: bool = True
 ) -> Iterator[np.ndarray]:
-    """Every sequence of the dataset, in index order, as int64 token ids."""
+    """Every sequence of the dataset, in index order, as int64 token ids (negative ids refused)."""
     if not is_indexed_prefix(prefix):
         raise ValueError(
             f"{prefix} is not a Megatron indexed dataset prefix: expected {prefix}.bin and "
             f"{prefix}.idx"
         )
     dataset = open_indexed_dataset(prefix)
-    if len(dataset) == 0:
-        raise ValueError(f"indexed dataset {prefix} has no sequences")
     while True:
         found = False
         for index in range(len(dataset)):
             tokens = np.asarray(dataset[index], dtype=np.int64)
+            if len(tokens) and tokens.min() < 0:
+                raise ValueError(
+                    f"indexed dataset {prefix}: sequence {index} holds the negative token id "
+                    f"{int(tokens.min())}; token ids are >= 0 (a corrupt .bin, or an index whose "
+                    "dtype does not match the data)"
+                )
             if len(tokens) >= min_tokens:
                 found = True
                 yield tokens

@@ -77,6 +77,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .inputs import bounded_int, loads_json, read_text_file
 from .plan import MAX_SEQUENCE_LENGTH
 
 logger = logging.getLogger(__name__)
@@ -301,6 +302,7 @@ class CostModel:
                 f"cost model JSON lacks the fields {missing}; write it with CostModel.save (e.g. "
                 "the cost_model.json of a bytescale demo run), which stores every field"
             )
+        _check_field_types(data)
         return cls(**{k: v for k, v in data.items() if k != "version"})
 
     def save(self, path: str | Path) -> None:
@@ -309,22 +311,8 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         p = Path(path)
-        try:
-            with p.open("rb") as handle:
-                raw = handle.read(_MAX_COST_MODEL_BYTES + 1)
-        except OSError as exc:
-            raise ValueError(f"cannot read cost model file {str(p)!r}: {exc.strerror or exc}") from exc
-        if len(raw) > _MAX_COST_MODEL_BYTES:
-            raise ValueError(f"cost model file {str(p)!r} is over 1 MiB: not a CostModel.save file")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"cost model file {str(p)!r} is not text (a binary file?); expected the JSON "
-                "written by CostModel.save"
-            ) from None
-        except ValueError as exc:  # JSONDecodeError, or an absurdly long number
-            raise ValueError(f"cost model file {str(p)!r} is not valid JSON: {exc}") from None
+        text = read_text_file(p, "cost model file", max_bytes=_MAX_COST_MODEL_BYTES)  # FIFOs refused
+        data = loads_json(text, f"cost model file {str(p)!r}")  # depth and number sizes bounded
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as exc:
@@ -511,6 +499,23 @@ class CostModel:
     def with_(self, **changes: Any) -> "CostModel":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _check_field_types(data: Mapping[str, Any]) -> None:
+    """Types a JSON cost model must have before the dataclass checks run: text fields are
+    strings (an object as ``name`` would be printed in every message), counts are bounded
+    integers and numbers are within float range (``10**400`` cannot be compared as a float)."""
+    for name in ("name", "source"):
+        if name in data and not isinstance(data[name], str):
+            raise ValueError(f"cost model field {name!r} ({data[name]!r:.60}) must be a string")
+    for name in ("num_layers", "ranks_per_node"):  # types and >= 1: __post_init__
+        value = data.get(name)
+        if isinstance(value, int) and value > 2**31 - 1:
+            bounded_int(value, name, low=1, high=2**31 - 1)
+    for name, value in data.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1000:
+            raise ValueError(f"cost model field {name!r} is an integer of about "
+                             f"{int(value.bit_length() * 0.30103) + 1} digits: out of range")
 
 
 def _is_number(value: Any) -> bool:

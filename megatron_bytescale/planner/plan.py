@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+from .inputs import loads_json
 from .zigzag import Span, zigzag_split, zigzag_split_from_shares
 
 PLAN_VERSION = 1
@@ -246,18 +247,29 @@ class StepPlan:
             estimate = None
             if est is not None:
                 known = {"step_time_s", "rank_time_s", "p2p_bytes"}
+                if not isinstance(est, Mapping):
+                    raise PlanError(f"malformed plan: estimate must be an object, got {type(est).__name__}")
                 estimate = Estimate(
-                    step_time_s=float(est["step_time_s"]),
-                    rank_time_s=tuple(float(x) for x in _as_list(est["rank_time_s"], "estimate.rank_time_s")),
+                    step_time_s=_as_seconds(est["step_time_s"], "estimate.step_time_s"),
+                    rank_time_s=tuple(_as_seconds(x, f"estimate.rank_time_s[{k}]") for k, x in
+                                      enumerate(_as_list(est["rank_time_s"], "estimate.rank_time_s"))),
                     p2p_bytes=_as_int(est["p2p_bytes"], "estimate.p2p_bytes"),
                     extra={k: v for k, v in est.items() if k not in known},
                 )
+                if estimate.p2p_bytes < 0:
+                    raise PlanError(f"malformed plan: estimate.p2p_bytes ({estimate.p2p_bytes}) must be >= 0")
+            scheduler = data["scheduler"]
+            if not isinstance(scheduler, str):
+                raise PlanError(f"malformed plan: scheduler must be a string, got {scheduler!r:.60}")
+            meta = data.get("meta", {})
+            if not isinstance(meta, Mapping):
+                raise PlanError(f"malformed plan: meta must be an object, got {type(meta).__name__}")
             return cls(
                 version=version,
                 hdp_size=_as_int(data["hdp_size"], "hdp_size"),
                 capacity=_as_int(data["capacity"], "capacity"),
                 pp_size=_as_int(data.get("pp_size", 1), "pp_size"),
-                scheduler=str(data["scheduler"]),
+                scheduler=scheduler,
                 layers_per_stage=_as_int(data.get("layers_per_stage", 1), "layers_per_stage"),
                 align=_as_int(data.get("align", 1), "align"),
                 sequences=tuple(
@@ -267,7 +279,7 @@ class StepPlan:
                 ),
                 ranks=ranks,
                 estimate=estimate,
-                meta=dict(data.get("meta", {})),
+                meta=_checked_meta(meta, data["sequences"]),
             )
         except PlanError:
             raise
@@ -279,9 +291,9 @@ class StepPlan:
     @classmethod
     def from_json(cls, text: str) -> "StepPlan":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan is not valid JSON: {exc}") from exc
+            data = loads_json(text, "plan")  # nesting depth and number sizes bounded
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         return cls.from_dict(data)
 
     # ------------------------------------------------------------------ hash
@@ -306,6 +318,40 @@ def _as_int(value: Any, where: str) -> int:
     return int(value)
 
 
+def _as_number(value: Any, where: str) -> float:
+    """A JSON number (a string such as "0" or a bool is refused, not converted; the range is
+    :meth:`StepPlan.validate`'s to check)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlanError(f"malformed plan: {where} must be a number, got {value!r:.60}")
+    return float(value)
+
+
+def _as_seconds(value: Any, where: str) -> float:
+    """A JSON number of seconds: finite and >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < float("inf"):
+        raise PlanError(f"malformed plan: {where} must be a finite number of seconds >= 0, got {value!r:.60}")
+    return float(value)
+
+
+def _checked_meta(meta: Mapping[str, Any], sequences: Any) -> dict[str, Any]:
+    """``meta`` with its overlong record checked: ``dropped`` lists distinct ids of sequences
+    that are not in the plan, ``dropped_tokens`` and ``truncated_tokens`` are counts."""
+    out = dict(meta)
+    if "dropped" in out:
+        dropped = [_as_int(x, "meta.dropped") for x in _as_list(out["dropped"], "meta.dropped")]
+        if len(set(dropped)) != len(dropped):
+            raise PlanError("malformed plan: meta.dropped names a sequence twice")
+        planned = {s["id"] for s in sequences}
+        both = sorted(set(dropped) & planned)
+        if both:
+            raise PlanError(f"malformed plan: meta.dropped names sequences {both[:5]} that the plan "
+                            "trains; a dropped sequence is not in the plan")
+    for name in ("dropped_tokens", "truncated_tokens"):
+        if name in out and _as_int(out[name], f"meta.{name}") < 0:
+            raise PlanError(f"malformed plan: meta.{name} ({out[name]}) must be >= 0")
+    return out
+
+
 def _as_list(value: Any, where: str) -> list[Any]:
     """A JSON array (a string or object would be iterated character by character / by key)."""
     if not isinstance(value, (list, tuple)):
@@ -321,7 +367,7 @@ def _micro_batch_from_dict(mb: Mapping[str, Any], where: str) -> MicroBatch:
     return MicroBatch(
         order=_as_int(mb["order"], f"{where}.order"),
         ring=tuple(_as_int(x, f"{where}.ring") for x in _as_list(mb["ring"], f"{where}.ring")),
-        offload_ratio=float(mb.get("offload_ratio", 0.0)),
+        offload_ratio=_as_number(mb.get("offload_ratio", 0.0), f"{where}.offload_ratio"),
         seqs=tuple(_as_int(x, f"{where}.seqs") for x in _as_list(seqs, f"{where}.seqs")),
         pieces=tuple(
             Piece(seq=_as_int(p["seq"], f"{where}.pieces[{k}].seq"),

@@ -35,6 +35,9 @@ import numpy as np
 
 from .cost_model import CostModel
 
+MAX_NODE_ID = 2**31 - 1
+"""Largest node id and ranks per node accepted (far beyond any cluster; keeps numpy int64 exact)."""
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -50,14 +53,18 @@ class Topology:
 
     def __post_init__(self) -> None:
         g = self.ranks_per_node
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or int(g) < 1:
-            raise ValueError(f"ranks_per_node ({g!r}) must be an integer >= 1 (HDP ranks that share a node)")
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= int(g) <= MAX_NODE_ID:
+            shown = f"{g!r}" if not isinstance(g, numbers.Integral) or abs(int(g)) < 10**12 else "an integer of over 12 digits"
+            raise ValueError(f"ranks_per_node ({shown}) must be an integer >= 1 (at most "
+                             f"{MAX_NODE_ID:,}; HDP ranks that share a node)")
         object.__setattr__(self, "ranks_per_node", int(g))
         if self.node_of is not None:
             nodes = tuple(self.node_of)
             for r, x in enumerate(nodes):
-                if isinstance(x, bool) or not isinstance(x, numbers.Integral) or int(x) < 0:
-                    raise ValueError(f"node map: HDP rank {r} is on node {x!r}; node ids must be integers >= 0")
+                if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= int(x) <= MAX_NODE_ID:
+                    shown = f"{x!r}" if not isinstance(x, numbers.Integral) or abs(int(x)) < 10**12 else "an integer of over 12 digits"
+                    raise ValueError(f"node map: HDP rank {r} is on node {shown}; node ids must be integers >= 0 "
+                                     f"(at most {MAX_NODE_ID:,})")
             nodes = tuple(int(x) for x in nodes)
             if not nodes:
                 raise ValueError("node map is empty; give the node of every HDP rank")

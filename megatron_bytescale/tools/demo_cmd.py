@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .demo_process import Interrupted, run_supervised
+from .demo_process import PROGRESS_BAR_ENV, RESULTS_ENV, Interrupted, run_supervised
 from .demo_settings import BUILTIN_DATASETS, DEFAULT_MODES, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
 
 DEFAULT_CAPACITY = 512
@@ -126,6 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             f"--data {args.data!r} names no dataset; give one or more of "
             f"{', '.join(BUILTIN_DATASETS)}, a .jsonl file or a Megatron indexed prefix"
         )
+    if not args.out.strip():
+        raise ValueError("--out is empty; give the directory for the results, e.g. out/demo")
     capacity = config.capacity or DEFAULT_CAPACITY
     context = config.context_length or args.ranks * capacity
     return DemoSettings(
@@ -163,28 +165,49 @@ def demo_modes(text: str, *, offload: bool) -> tuple[str, ...]:
 
 
 def run_demo_job(settings: DemoSettings) -> dict[str, Any]:
-    """Launch the torchrun job for ``settings`` and return its ``results.json``."""
+    """Launch the torchrun job for ``settings`` and return the results rank 0 handed over.
+
+    Rank 0 writes them into a private temporary directory, not into ``--out``: the launcher
+    writes the output directory itself (:func:`save_results`), after every worker is done.
+    """
+    import tempfile
+
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings_path = out / "settings.json"
     settings.save(settings_path)
-    results_path = out / "results.json"
-    if results_path.exists():
-        results_path.unlink()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(settings.ranks),
         "-m", "megatron_bytescale.tools.demo_worker", "--settings", str(settings_path),
     ]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
-    returncode = run_supervised(command, env=env)  # raises Interrupted on SIGINT/SIGTERM/SIGHUP
-    if returncode != 0 or not results_path.exists():
-        raise RuntimeError(
-            f"the demo's torchrun job failed (exit code {returncode}); see the rank output above"
-        )
-    return json.loads(results_path.read_text(encoding="utf-8"))
+    with tempfile.TemporaryDirectory(prefix="bytescale-demo-") as handoff:
+        results_path = Path(handoff) / "results.json"
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+        env[RESULTS_ENV] = str(results_path)
+        if sys.stderr.isatty():
+            env[PROGRESS_BAR_ENV] = "1"
+        returncode = run_supervised(command, env=env)  # raises Interrupted on SIGINT/SIGTERM/SIGHUP
+        if returncode != 0 or not results_path.exists():
+            raise RuntimeError(
+                f"the demo's torchrun job failed (exit code {returncode}); see the rank output above"
+            )
+        return json.loads(results_path.read_text(encoding="utf-8"))
+
+
+def save_results(results: dict[str, Any], out_dir: Path) -> bool:
+    """Write ``results.json`` and ``cost_model.json`` into ``out_dir`` (temporary file and
+    rename); whatever cannot be written is printed on stdout with a line saying so. Saved?"""
+    from .results_io import save_or_print
+
+    prog = "bytescale demo"
+    saved = save_or_print(out_dir / "results.json", json.dumps(results, indent=1) + "\n",
+                          what="results JSON", prog=prog)
+    # reusable: bytescale demo / pretrain_gpt.py --bytescale-cost-model out/demo/cost_model.json
+    cost_model = json.dumps(results["calibration"]["cost_model"], indent=2) + "\n"
+    return save_or_print(out_dir / "cost_model.json", cost_model, what="cost model JSON", prog=prog) and saved
 
 
 def prepare_out_dir(settings: DemoSettings, flag: str) -> None:
@@ -213,7 +236,7 @@ def check_datasets(settings: DemoSettings) -> None:
             raise ValueError(f"--data {name}: {exc.strerror or exc}") from None
 
 
-def print_report(results: dict[str, Any], *, plot: bool, out_dir: Path) -> None:
+def print_report(results: dict[str, Any], *, plot: bool, out_dir: Path, saved: bool = True) -> None:
     from .demo_report import comparison_rows, settings_line, summarize, text_table, write_plot
 
     print("\n" + settings_line(results))
@@ -221,7 +244,8 @@ def print_report(results: dict[str, Any], *, plot: bool, out_dir: Path) -> None:
         headers, rows = comparison_rows(modes)
         print(f"\n{name}: {results['datasets'][name]['description']}")
         print(text_table(headers, rows))
-    print(f"\nresults: {out_dir / 'results.json'}")
+    if saved:
+        print(f"\nresults: {out_dir / 'results.json'}")
     if plot:
         path = write_plot(results, out_dir / "demo.png")
         print(f"plot:    {path}")
@@ -255,6 +279,13 @@ def _run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"bytescale demo: {exc}", file=sys.stderr)
         return 1
-    print_report(results, plot=not args.no_plot, out_dir=Path(settings.out_dir))
+    out_dir = Path(settings.out_dir)
+    saved = save_results(results, out_dir)
+    try:
+        print_report(results, plot=not args.no_plot, out_dir=out_dir, saved=saved)
+    except OSError as exc:  # the plot: the results themselves are saved or printed already
+        print(f"bytescale demo: could not write the plot into {str(out_dir)!r} ({exc.strerror or exc})",
+              file=sys.stderr)
+        saved = False
     print(f"total time: {time.perf_counter() - start:.0f} s")
-    return 0
+    return 0 if saved else 1

@@ -16,7 +16,6 @@ Every source is deterministic, so every rank builds identical global batches wit
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -27,6 +26,8 @@ from megatron_bytescale.data.hdp_iterator import GlobalBatch
 
 from .demo_settings import DemoSettings
 
+MAX_DEMO_VOCAB = 2**18
+"""Most embedding rows of the CPU demo's model (262,144: every real tokenizer's vocabulary)."""
 PAPER_CAPACITY = 8192  # tokens per rank in the paper's case study (312K on 39 ranks)
 
 
@@ -64,8 +65,9 @@ def documents_for(name: str, settings: DemoSettings) -> tuple[Iterator[np.ndarra
             f"paper's {name.split('-')[1]} length mix scaled by C/{PAPER_CAPACITY}, random bytes"
         )
     if name.endswith(".jsonl"):
-        if not Path(name).is_file():
-            raise ValueError(f"--data {name}: no such jsonl file")
+        from megatron_bytescale.planner.inputs import check_regular_file
+
+        check_regular_file(name, "--data jsonl file")  # a FIFO would block open() forever
         return jsonl_documents(name), f"jsonl file {name} (text field, bytes)"
     from megatron_bytescale.integration.indexed_tokens import indexed_documents, is_indexed_prefix
 
@@ -92,6 +94,12 @@ def demo_global_batches(name: str, settings: DemoSettings) -> tuple[list[GlobalB
         raise ValueError(
             f"--data {name}: only {len(batches)} global batches of {settings.tokens_per_step} "
             f"tokens, {settings.steps} steps asked for"
+        )
+    highest = vocab_size_of(batches) - 1
+    if highest >= MAX_DEMO_VOCAB:
+        raise ValueError(
+            f"--data {name}: token id {highest:,} is beyond the {MAX_DEMO_VOCAB:,} embedding rows the CPU "
+            "demo builds; its model would not fit (a corrupt dataset, or one from another tokenizer)"
         )
     return batches, description
 

@@ -8,6 +8,10 @@ Three things keep the process tree from leaking:
   signals. If torchrun has not exited ``grace_s`` seconds later it is killed.
 * torchrun and every worker call :func:`die_with_parent`: Linux sends them SIGTERM when their
   parent dies, so even a demo killed with SIGKILL leaves nothing training behind.
+
+The children's stdout and stderr reach the terminal through the demo, which relays them until
+a signal arrives and drops them after: on Ctrl-C every worker and torchrun itself print a
+traceback of the interrupted call (hundreds of lines), and the demo's one line says it all.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Sequence
+from typing import IO, Sequence, TextIO
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+RESULTS_ENV = "BYTESCALE_DEMO_RESULTS"
+"""Where rank 0 leaves results.json for the launcher, which writes the output directory."""
+PROGRESS_BAR_ENV = "BYTESCALE_DEMO_PROGRESS_BAR"
+"""Set to 1 when the launcher's stderr is a terminal: rank 0 then draws its progress bar."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,11 +55,17 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def run_supervised(command: Sequence[str], *, env: dict[str, str], grace_s: float = 30.0) -> int:
     """Run ``command`` to its end and return its exit code; raise :class:`Interrupted` if a
-    signal stopped the demo (after the child, and through it its workers, stopped)."""
+    signal stopped the demo (after the child, and through it its workers, stopped). The
+    child's output is relayed until the signal, then dropped (see the module docstring)."""
     process = subprocess.Popen(list(command), env=env, start_new_session=True,
-                               preexec_fn=die_with_parent)
+                               preexec_fn=die_with_parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
     received: list[int] = []
     deadline = [float("inf")]
+    relays = [threading.Thread(target=_relay, args=(pipe, stream, received), daemon=True)
+              for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))]
+    for relay in relays:
+        relay.start()
 
     def forward(signum: int, _frame: object) -> None:
         if not received:
@@ -75,6 +90,29 @@ def run_supervised(command: Sequence[str], *, env: dict[str, str], grace_s: floa
         if process.poll() is None:  # an exception of our own: never leave it running
             process.kill()
             process.wait()
+        for relay in relays:  # the workers die with torchrun, closing the pipes
+            relay.join(timeout=10.0)
     if received:
         raise Interrupted(received[0])
     return code
+
+
+def _relay(pipe: IO[bytes], stream: TextIO, stop: list[int]) -> None:
+    """Copy ``pipe`` to ``stream`` as it comes, until ``stop`` is non-empty; drain it after."""
+    target = getattr(stream, "buffer", None)
+    fd = pipe.fileno()
+    broken = False
+    while chunk := os.read(fd, 65536):
+        if stop or broken:
+            continue
+        try:
+            if target is not None:
+                stream.flush()
+                target.write(chunk)
+                target.flush()
+            else:  # a text-only stream (e.g. captured by a test)
+                stream.write(chunk.decode("utf-8", errors="replace"))
+                stream.flush()
+        except (OSError, ValueError):  # our own output closed: keep draining the child's
+            broken = True
+    pipe.close()

@@ -8,6 +8,7 @@ back. Keeping it plain data means the workers never re-parse the command line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,12 @@ MODES = ("static", "naive", "balance", "offload")
 DEFAULT_MODES = ("static", "naive", "balance")
 DEFAULT_TIMEOUT_MINUTES = 3.0
 BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
+MAX_DEMO_TOKENS = 2**24
+"""Most tokens of all steps together (16.8M): the launcher and every rank hold them all, and
+a CPU trains some thousands of tokens per second."""
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60
+MIN_CAPACITY = 32
+"""The cost model is calibrated at lengths from 8 to 32 tokens up to the capacity and more."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,14 +83,40 @@ class DemoSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 1")
+        if self.ranks > 256:
+            raise ValueError(f"--ranks ({self.ranks}) must be at most 256: each rank is a CPU process")
+        if self.capacity < MIN_CAPACITY:
+            raise ValueError(
+                f"--bytescale-capacity ({self.capacity}) must be at least {MIN_CAPACITY}: the demo "
+                f"calibrates its cost model on sequences of 8 to {MIN_CAPACITY} tokens and more"
+            )
+        if not 1 <= self.align <= self.capacity:
+            raise ValueError(
+                f"--bytescale-align ({self.align}) must be from 1 to --bytescale-capacity "
+                f"({self.capacity}): every zigzag part is padded to a multiple of it"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr ({self.lr}) must be a finite number > 0, e.g. 3e-3")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed ({self.seed}) must be from 0 to {2**32 - 1} (numpy's seed range)")
+        if self.tokens_per_step * self.steps > MAX_DEMO_TOKENS:
+            raise ValueError(
+                f"--steps {self.steps} x --ranks {self.ranks} x capacity {self.capacity} x "
+                f"--micro-batches-per-rank {self.micro_batches_per_rank} = "
+                f"{self.tokens_per_step * self.steps:,} tokens: more than the {MAX_DEMO_TOKENS:,} "
+                "a CPU demo holds in memory; use fewer steps or micro-batches per rank"
+            )
+        if not self.out_dir:
+            raise ValueError("--out is empty; give the directory for the results, e.g. out/demo")
         if not self.datasets:
             raise ValueError(
                 f"--data {','.join(self.datasets)!r} names no dataset; give one or more of "
                 f"{', '.join(BUILTIN_DATASETS)}, a .jsonl file or a Megatron indexed prefix"
             )
-        if not self.distributed_timeout_minutes > 0:
+        if not 0 < self.distributed_timeout_minutes <= MAX_TIMEOUT_MINUTES:
             raise ValueError(
-                f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be > 0"
+                f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be > 0 "
+                f"and at most {MAX_TIMEOUT_MINUTES} (a week)"
             )
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_bytescale.runtime.liveness import Heartbeat
 
 from .demo_data import demo_global_batches, vocab_size_of
-from .demo_process import die_with_parent
+from .demo_process import PROGRESS_BAR_ENV, RESULTS_ENV, die_with_parent
 from .demo_settings import DemoSettings
 
 logger = logging.getLogger(__name__)
@@ -58,17 +58,29 @@ def main(argv: list[str] | None = None) -> int:
             if report_silent_ranks(heartbeat, timeout):
                 return 1
             raise
-        if dist.get_rank() == 0:
-            out = Path(settings.out_dir)
-            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-            # reusable: bytescale demo / pretrain_gpt.py --bytescale-cost-model out/demo/cost_model.json
-            cost_model = results["calibration"]["cost_model"]
-            (out / "cost_model.json").write_text(json.dumps(cost_model, indent=2) + "\n", encoding="utf-8")
-        dist.barrier()
+        dist.barrier()  # every collective is done: a failed write below strands no other rank
+        if dist.get_rank() == 0 and not hand_over_results(results, settings):
+            return 1
     finally:
         heartbeat.stop()
         dist.destroy_process_group()
     return 0
+
+
+def hand_over_results(results: dict[str, Any], settings: DemoSettings) -> bool:
+    """Rank 0: write the results where the launcher reads them (``$BYTESCALE_DEMO_RESULTS``,
+    else ``results.json`` and ``cost_model.json`` in the output directory, when the worker runs
+    under a torchrun of the user's own); printed on stdout if that fails. Saved?"""
+    from .results_io import save_or_print
+
+    prog = "bytescale demo"
+    text = json.dumps(results, indent=1) + "\n"
+    if os.environ.get(RESULTS_ENV):
+        return save_or_print(os.environ[RESULTS_ENV], text, what="results JSON", prog=prog)
+    out = Path(settings.out_dir)
+    saved = save_or_print(out / "results.json", text, what="results JSON", prog=prog)
+    cost_model = json.dumps(results["calibration"]["cost_model"], indent=2) + "\n"
+    return save_or_print(out / "cost_model.json", cost_model, what="cost model JSON", prog=prog) and saved
 
 
 def report_silent_ranks(heartbeat: Heartbeat, timeout: timedelta) -> bool:
@@ -321,7 +333,8 @@ class StepPrinter:
         self.total = total
         self.done = 0
         self.start = time.perf_counter()
-        self.bar = enabled and sys.stderr.isatty()
+        # the launcher relays the workers' output through a pipe and says whether it ends on a terminal
+        self.bar = enabled and (sys.stderr.isatty() or os.environ.get(PROGRESS_BAR_ENV) == "1")
 
     def header(self, settings: DemoSettings, calibration: Any, hdp_size: int) -> None:
         if not self.enabled:

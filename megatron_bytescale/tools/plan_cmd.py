@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -191,10 +190,14 @@ def run(args: argparse.Namespace) -> int:
         chosen.validate()
         check_deadlock_free(chosen)
         print(f"{args.scheduler}: plan valid and deadlock-free (hash {chosen.content_hash()[:16]})")
+    status = 0
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(chosen.to_json(), encoding="utf-8")
-        print(f"wrote {args.scheduler} plan JSON to {args.json}")
+        from .results_io import save_or_print
+
+        if save_or_print(args.json, chosen.to_json(), what=f"{args.scheduler} plan JSON", prog="bytescale plan"):
+            print(f"wrote {args.scheduler} plan JSON to {args.json}")
+        else:
+            status = 1
     if args.plot:
         from .gantt import plot_gantt
 
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         panels = [(n, plans[n]) for n in SCHEDULER_ORDER if n in plans]
         written = plot_gantt(panels, cost_model, args.plot)
         print(f"wrote Gantt chart to {written}")
-    return 0
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,10 @@ import numpy as np
 
 DEFAULT_GLOBAL_TOKENS = 32 * 2**20
 DEFAULT_CONTEXT = 2_097_152
+DEFAULT_MODEL = "llama-7b"
+MAX_GLOBAL_TOKENS = 2**36
+"""Most tokens of a synthetic global batch (68.7 billion, 2,000 times the paper's 32M)."""
+_MAX_NODE_MAP_BYTES = 64 * 2**20
 
 
 class UsageError(Exception):
@@ -79,9 +83,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
     cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
                          help="TP degree (default: the model preset's)")
-    cluster.add_argument("--model", default="llama-7b",
+    cluster.add_argument("--model", default=None,
                          help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
-                              "mistral-8x22b (default llama-7b)")
+                              "mistral-8x22b (default llama-7b; not with --cost-model)")
     cluster.add_argument("--cost-model", default=None, metavar="FILE",
                          help="cost model JSON (CostModel.save, e.g. from calibration) instead of --model")
     cluster.add_argument("--ranks-per-node", type=int, default=None,
@@ -126,8 +130,25 @@ def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
     name = args.synthetic or "byted"
     max_len = args.context_length or DEFAULT_CONTEXT
+    check_global_tokens(args.global_tokens)
     lengths = synthetic_lengths(name, args.global_tokens, seed=args.seed, max_length=max_len)
     return lengths, f"synthetic {name} ({args.global_tokens:,} tokens, seed {args.seed}, max {max_len:,})"
+
+
+def check_global_tokens(tokens: int) -> None:
+    """Refuse a synthetic batch too large to hold its lengths in memory."""
+    if tokens > MAX_GLOBAL_TOKENS:
+        raise ValueError(f"--global-tokens ({tokens:,}) is more than the {MAX_GLOBAL_TOKENS:,} (2**36) tokens a "
+                         "synthetic batch may have; plan a smaller batch (the paper's is 32M tokens)")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The ``--model`` preset (default llama-7b); refused together with ``--cost-model``,
+    which would otherwise replace it without a word."""
+    if args.cost_model and args.model is not None:
+        raise ValueError(f"give either --model {args.model} or --cost-model {args.cost_model}, not both: "
+                         "a cost model file already describes the model")
+    return args.model or DEFAULT_MODEL
 
 
 def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
@@ -137,11 +158,12 @@ def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     from ..planner.cost_model import CostModel
     from ..planner.presets import model_spec, preset_cost_model
 
+    model = model_name(args)
     if args.cost_model:
         cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
     else:
-        cm = preset_cost_model(args.model, tensor_parallel_size=args.tensor_model_parallel_size)
-        pp = args.pp_size or model_spec(args.model).pipeline_parallel_size
+        cm = preset_cost_model(model, tensor_parallel_size=args.tensor_model_parallel_size)
+        pp = args.pp_size or model_spec(model).pipeline_parallel_size
     if getattr(args, "two_level_ring", False):
         cm = cm.with_(two_level_ring=True)
     host = getattr(args, "host_memory_gb", None)
@@ -160,20 +182,23 @@ def load_topology(args: argparse.Namespace, cost_model: Any) -> Any:
     if args.node_map is not None:
         if args.ranks_per_node is not None:
             raise ValueError("give either --ranks-per-node or --node-map, not both")
+        from ..planner.inputs import loads_json, parse_decimal, read_text_file, split_lines
+
         path = Path(args.node_map)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot read --node-map {str(path)!r}: {exc.strerror or exc}") from exc
-        try:
-            nodes = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
-        except (json.JSONDecodeError, ValueError) as exc:
-            raise ValueError(f"--node-map {str(path)!r} must be a JSON list or one integer per line: {exc}") from exc
+        what = f"--node-map {str(path)!r}"
+        text = read_text_file(path, "--node-map file", max_bytes=_MAX_NODE_MAP_BYTES)
+        if text.lstrip().startswith("["):
+            nodes = loads_json(text, what)
+            if not isinstance(nodes, list):
+                raise ValueError(f"{what} must be a JSON list of node ids, one per HDP rank")
+        else:
+            nodes = [parse_decimal(word, f"{what}, line {i}")
+                     for i, line in enumerate(split_lines(text), start=1) for word in line.replace("\t", " ").split(" ") if word]
         if len(nodes) != args.hdp_size:
             raise ValueError(f"--node-map {str(path)!r} names {len(nodes)} HDP ranks but --hdp-size is {args.hdp_size}")
         return Topology.from_node_map(nodes)
     if args.ranks_per_node is not None:
-        if args.ranks_per_node < 1:
-            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1")
+        if not 1 <= args.ranks_per_node <= 2**31 - 1:
+            raise ValueError(f"--ranks-per-node ({args.ranks_per_node}) must be >= 1 (at most {2**31 - 1:,})")
         return Topology(ranks_per_node=args.ranks_per_node)
     return Topology.of(cost_model)

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = "cost_model.json"
@@ -87,13 +85,59 @@ def profile_lengths(args: argparse.Namespace) -> list[int]:
     return lengths
 
 
+def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
+    """The model and launch flags, checked before any worker starts (a bad one would otherwise
+    end every rank with a traceback); ValueError names the flag. ``world_size``: the processes
+    of the job (None: not known yet)."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "tensor_model_parallel_size", "num_lengths", "repeats"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} ({value}) must be >= 1")
+    for flag in ("num_query_groups", "ffn_hidden_size", "max_position_embeddings", "min_length",
+                 "max_length"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} ({value}) must be >= 1")
+    if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 1024:
+        raise ValueError(f"--nproc-per-node ({args.nproc_per_node}) must be from 1 to 1024 "
+                         "(leave it out for one per GPU, or 2 on CPU)")
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    groups = args.num_query_groups or heads
+    if args.hidden_size % heads or heads % groups:
+        raise ValueError(f"--hidden-size ({args.hidden_size}) must divide by --num-attention-heads ({heads}) "
+                         f"and that by --num-query-groups ({groups})")
+    if heads % tp or groups % tp:
+        raise ValueError(f"--num-attention-heads ({heads}) and --num-query-groups ({groups}) must divide by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if world_size is not None and world_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) must divide the {world_size} processes "
+                         f"(--nproc-per-node); use {tp} or a multiple of it")
+    if args.seed < 0:
+        raise ValueError(f"--seed ({args.seed}) must be >= 0")
+    if not args.out:
+        raise ValueError("--out is empty; give the cost model JSON file to write")
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """Processes of the job: torchrun's WORLD_SIZE, else what :func:`launch` will start."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc_per_node is not None:
+        return args.nproc_per_node
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_model_flags(args, None)
         lengths = profile_lengths(args)
-        if args.repeats < 1:
-            raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
+        check_model_flags(args, _world_size(args))
     except ValueError as exc:
         parser.error(str(exc))
     if "WORLD_SIZE" in os.environ:
@@ -102,20 +146,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them."""
-    import torch
+    """Start ``--nproc-per-node`` workers with torch.distributed.run and wait for them.
 
-    nproc = args.nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    Started like the demo's (:func:`.demo_process.run_supervised`): in their own session, with
+    their output relayed until a signal arrives, so Ctrl-C is one line, not a traceback per rank.
+    """
+    import signal
+
+    from .demo_process import Interrupted, run_supervised
+
+    nproc = _world_size(args)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(nproc), "-m", "megatron_bytescale.tools.profile_cmd", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
-    completed = subprocess.run(command, env=env, check=False)
-    if completed.returncode != 0:
-        print(f"bytescale profile: the workers failed (exit code {completed.returncode}); see above",
-              file=sys.stderr)
-    return completed.returncode
+    try:
+        returncode = run_supervised(command, env=env)
+    except Interrupted as exc:
+        what = "interrupted (SIGINT)" if exc.signum == signal.SIGINT else str(exc)
+        print(f"bytescale profile: {what}; torchrun and its workers were stopped", file=sys.stderr)
+        return 128 + exc.signum
+    if returncode != 0:
+        print(f"bytescale profile: the workers failed (exit code {returncode}); see above", file=sys.stderr)
+    return returncode
 
 
 def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
@@ -132,14 +186,15 @@ def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("nccl" if on_cuda else "gloo")
+    saved = True
     try:
         result = _profile(args, config, lengths, on_cuda=on_cuda)
+        dist.barrier()  # every collective done: a failed write on rank 0 cannot strand the others
         if dist.get_rank() == 0:
-            _report(args, result)
-        dist.barrier()
+            saved = _report(args, result)
     finally:
         dist.destroy_process_group()
-    return 0
+    return 0 if saved else 1
 
 
 def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cuda: bool) -> Any:
@@ -187,16 +242,27 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
                          ranks_per_node=max(1, local // tp))
 
 
-def _report(args: argparse.Namespace, result: Any) -> None:
+def _report(args: argparse.Namespace, result: Any) -> bool:
+    """Print the fit and write the files (each printed on stdout if it cannot be written);
+    returns whether everything was saved."""
     from megatron_bytescale.planner.profile import format_report
 
+    from .results_io import save_or_print
+
     print(format_report(result))
-    result.cost_model.save(args.out)
-    print(f"cost model: {args.out}  (bytescale plan --cost-model {args.out}; "
-          f"pretrain_gpt.py --bytescale-cost-model {args.out})")
+    prog = "bytescale profile"
+    saved = save_or_print(args.out, json.dumps(result.cost_model.to_dict(), indent=2) + "\n",
+                          what="cost model JSON", prog=prog)
+    if saved:
+        print(f"cost model: {args.out}  (bytescale plan --cost-model {args.out}; "
+              f"pretrain_gpt.py --bytescale-cost-model {args.out})")
     if args.report:
-        Path(args.report).write_text(json.dumps(result.to_dict(), indent=1) + "\n", encoding="utf-8")
-        print(f"report:     {args.report}")
+        if save_or_print(args.report, json.dumps(result.to_dict(), indent=1) + "\n", what="profile report",
+                         prog=prog):
+            print(f"report:     {args.report}")
+        else:
+            saved = False
+    return saved
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from .plan_inputs import (
@@ -31,6 +30,8 @@ from .plan_inputs import (
     load_cost_model,
     load_lengths,
     load_topology,
+    check_global_tokens,
+    model_name,
     positive_int,
     run_command,
 )
@@ -119,7 +120,7 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
     tp = args.tensor_model_parallel_size
     if tp is None:
-        tp = 1 if args.cost_model else model_spec(args.model).tensor_parallel_size
+        tp = 1 if args.cost_model else model_spec(model_name(args)).tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size ({tp}) must be >= 1")
     return tp
@@ -137,7 +138,7 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     elif args.cost_model:
         total = 0.0
     else:
-        total = parameter_count(model_spec(args.model))["total"]
+        total = parameter_count(model_spec(model_name(args)))["total"]
     for flag in ("load_s", "plan_time_s"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < float("inf"):
@@ -164,7 +165,19 @@ def _contexts(args: argparse.Namespace) -> list[int | None]:
         raise ValueError("--contexts sweeps synthetic batches; drop the lengths file or --contexts")
     if args.context_length is not None:
         raise ValueError("give either --context-length or --contexts, not both")
-    return [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
+    from ..planner.plan import MAX_SEQUENCE_LENGTH
+
+    contexts = []
+    for text in args.contexts.split(","):
+        try:
+            value = parse_tokens(text)
+        except ValueError as exc:
+            raise ValueError(f"--contexts {args.contexts!r}: {exc}") from None
+        if value > MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"--contexts {args.contexts!r}: {text.strip()!r} is longer than the "
+                             f"{MAX_SEQUENCE_LENGTH:,} (2**40) tokens a sequence may have")
+        contexts.append(value)
+    return contexts
 
 
 # --------------------------------------------------------------------------- main
@@ -193,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         lengths_for = lambda context, step: file_lengths  # noqa: E731
     else:
         name = args.synthetic or "byted"
+        check_global_tokens(args.global_tokens)
         source = f"synthetic {name} ({args.global_tokens:,} tokens per step, seed {args.seed}"
         source += f"..{args.seed + args.steps - 1})" if args.steps > 1 else ")"
 
@@ -214,9 +228,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"({NOTE})")
     for line in errors(summaries):
         print(line)
+    status = 0
     if args.json:
-        _write_json(args, setup, summaries, source, overhead_line)
-        print(f"wrote {args.json}")
+        if _write_json(args, setup, summaries, source, overhead_line):
+            print(f"wrote {args.json}")
+        else:
+            status = 1
     if args.plot:
         from ..sim.plots import plot_sweep
 
@@ -232,10 +249,13 @@ def run(args: argparse.Namespace) -> int:
         print("throughput drop per context doubling: " + ", ".join(
             f"{k} {v:.2f}x" for k, v in drops.items() if v == v) + f" (over {format_tokens(contexts[0])}"
               f"-{format_tokens(contexts[-1])})")
-    return 0
+    return status
 
 
-def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], source: str, overheads: str) -> None:
+def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], source: str, overheads: str) -> bool:
+    """Write every result as JSON to ``--json`` (printed on stdout if that fails); saved?"""
+    from .results_io import save_or_print
+
     data = {
         "version": 1,
         "source": source,
@@ -244,9 +264,8 @@ def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], 
         "cost_model": setup.cost_model.to_dict(), "overheads": overheads,
         "results": [s.to_dict(per_rank=True) for s in summaries],
     }  # fmt: skip
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return save_or_print(args.json, json.dumps(data, indent=1) + "\n", what="simulation results JSON",
+                         prog="bytescale simulate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

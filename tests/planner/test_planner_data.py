@@ -84,7 +84,7 @@ def test_text_and_json_lengths(tmp_path):
     ("5\n2.5\n", r"line 2: '2.5' is not an integer"),
     ("[1, 2.5]", r"l.txt: element 1 \(2.5\) is not an integer"),
     ("[1, -3]", r"element 1 is -3"),
-    ("[1, 2", r"l.txt: invalid JSON at line 1"),
+    ("[1, 2", r"l.txt is not valid JSON \(line 1"),
     ('[1, "2"]', r"element 1 \('2'\)"),
 ])
 def test_malformed_lengths_files(tmp_path, content, match):

@@ -88,7 +88,7 @@ def test_the_background_planner_does_not_hang_on_that_config():
 # ----------------------------------------------------------------------------- bounded reads
 def test_an_endless_input_is_refused_quickly(capsys):
     start = time.perf_counter()
-    assert_refused(capsys, ["/dev/zero"], "holds binary data")
+    assert_refused(capsys, ["/dev/zero"], "is a device; give a regular file")
     assert time.perf_counter() - start < 10
 
 

@@ -442,14 +442,14 @@ MALFORMED_FIELDS = [
     (_set(["ranks", 0, "micro_batches", 0, "order"], 1.5), r"ranks\[0\].micro_batches\[0\].order must be an integer, got 1.5"),
     (_set(["ranks", 0, "micro_batches", 0, "ring"], "021"), r"ranks\[0\].micro_batches\[0\].ring must be a list, got str"),
     (_set(["ranks", 0, "micro_batches", 0, "ring"], [0, "2", 1]), r"ring must be an integer, got '2'"),
-    (_set(["ranks", 0, "micro_batches", 0, "offload_ratio"], "half"), r"malformed plan: ValueError"),
+    (_set(["ranks", 0, "micro_batches", 0, "offload_ratio"], "half"), r"offload_ratio must be a number, got 'half'"),
     (_set(["ranks", 0, "micro_batches", 0, "pieces"], {"seq": 0}), r"pieces must be a list, got dict"),
     (_set(["ranks", 0, "micro_batches", 0, "pieces", 0, "end"], 6.0), r"pieces\[0\].end must be an integer, got 6.0"),
     (_set(["ranks", 0, "micro_batches", 0, "pieces", 0], {"seq": 0, "start": 0}), r"missing field 'end'"),
     (_set(["sequences", 0, "length"], "30"), r"sequences\[0\].length must be an integer, got '30'"),
     (_set(["sequences"], [[0, 30]]), r"malformed plan: TypeError"),
     (_set(["estimate"], {"step_time_s": 1.0}), r"missing field 'rank_time_s'"),
-    (_set(["meta"], [1, 2]), r"malformed plan: TypeError"),
+    (_set(["meta"], [1, 2]), r"malformed plan: meta must be an object, got list"),
 ]
 
 

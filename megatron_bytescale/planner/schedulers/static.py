@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from ..plan import StepPlan
 from ..zigzag import zigzag_chunk
@@ -58,7 +59,8 @@ def plan_static(request: PlanRequest) -> StepPlan:
         hint="Pass a larger --context-length",
     )
     dp = request.hdp_size // cp
-    bins = _first_fit_bins(request, context, cp)
+    bins = [[request.ids[i] for i in b] for b in first_fit_bins(
+        request.lengths, context=context, capacity=request.capacity, cp=cp, align=request.align)]
     placements = []
     for k, b in enumerate(bins):
         g = k % dp
@@ -67,25 +69,84 @@ def plan_static(request: PlanRequest) -> StepPlan:
     return emit_plan(request, placements, scheduler=NAME, meta=meta, offload_allowed=False)
 
 
-def _first_fit_bins(request: PlanRequest, context: int, cp: int) -> list[list[int]]:
-    """First fit in data order under two limits: tokens <= context, zigzag slots <= C."""
+def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: int,
+                   align: int = 1) -> list[list[int]]:
+    """The static baseline's bins, as lists of positions in ``lengths``: first fit in data
+    order under two limits, tokens <= ``context`` and zigzag slots <= ``capacity``.
+
+    Every document goes into the lowest-numbered bin where both still fit, else into a new bin.
+    Scanning the bins for each document is quadratic (20k documents that each fill a bin took
+    25 s); a segment tree over the bins that keeps, per subtree, the most free tokens and the
+    most free slots of any bin in it finds the same bin by descending only into subtrees where
+    both could fit. A full bin has no room left and is never entered again.
+    """
+    free = _FreeSpace(len(lengths))
     bins: list[list[int]] = []
-    tokens: list[int] = []
-    slots: list[int] = []
-    open_bins: list[int] = []  # indices of bins that may still take something
-    for sid, n in zip(request.ids, request.lengths):
-        need_slots = n if cp == 1 else 2 * zigzag_chunk(n, cp, request.align)
-        for pos, b in enumerate(open_bins):
-            if tokens[b] + n <= context and slots[b] + need_slots <= request.capacity:
-                bins[b].append(sid)
-                tokens[b] += n
-                slots[b] += need_slots
-                if tokens[b] == context or slots[b] == request.capacity:
-                    open_bins.pop(pos)
-                break
+    for pos, n in enumerate(lengths):
+        need_slots = n if cp == 1 else 2 * zigzag_chunk(n, cp, align)
+        b = free.first_fit(n, need_slots)
+        if b < 0:
+            free.set(len(bins), context - n, capacity - need_slots)
+            bins.append([pos])
         else:
-            bins.append([sid])
-            tokens.append(n)
-            slots.append(need_slots)
-            open_bins.append(len(bins) - 1)
+            bins[b].append(pos)
+            free.take(b, n, need_slots)
     return bins
+
+
+class _FreeSpace:
+    """Free tokens and free slots of up to ``n`` bins, with the first bin that has room for both.
+
+    A segment tree: leaf ``size + b`` holds bin b's free tokens and slots (-1 for a bin not yet
+    opened), every inner node the largest free tokens and the largest free slots below it. The
+    first fit descends left-first into children whose maxima both suffice; a subtree whose two
+    maxima come from different bins can be entered without holding a fit, so the search is
+    logarithmic unless tokens and slots disagree bin by bin.
+    """
+
+    def __init__(self, n: int) -> None:
+        size = 1
+        while size < max(1, n):
+            size *= 2
+        self.size = size
+        self.tokens = [-1] * (2 * size)
+        self.slots = [-1] * (2 * size)
+
+    def set(self, b: int, tokens: int, slots: int) -> None:
+        i = self.size + b
+        self.tokens[i] = tokens
+        self.slots[i] = slots
+        self._update(i)
+
+    def take(self, b: int, tokens: int, slots: int) -> None:
+        i = self.size + b
+        self.tokens[i] -= tokens
+        self.slots[i] -= slots
+        self._update(i)
+
+    def _update(self, i: int) -> None:
+        tokens, slots = self.tokens, self.slots
+        i //= 2
+        while i:
+            t = max(tokens[2 * i], tokens[2 * i + 1])
+            s = max(slots[2 * i], slots[2 * i + 1])
+            if tokens[i] == t and slots[i] == s:
+                break
+            tokens[i], slots[i] = t, s
+            i //= 2
+
+    def first_fit(self, tokens_needed: int, slots_needed: int) -> int:
+        """The lowest bin with at least that many free tokens and slots, or -1."""
+        tokens, slots, size = self.tokens, self.slots, self.size
+        if tokens[1] < tokens_needed or slots[1] < slots_needed:
+            return -1  # no open bin has room (all full, or none yet): the common case
+        stack = [1]
+        while stack:
+            i = stack.pop()
+            if tokens[i] < tokens_needed or slots[i] < slots_needed:
+                continue
+            if i >= size:
+                return i - size
+            stack.append(2 * i + 1)
+            stack.append(2 * i)
+        return -1

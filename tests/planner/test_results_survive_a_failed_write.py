@@ -1,0 +1,49 @@
+"""Results written at the end of a run survive a failed write: a temporary file and a rename
+(an old file is never half-overwritten), else the results on stdout and one line naming where
+they could not go."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_bytescale.tools import plan_cmd, simulate_cmd
+from megatron_bytescale.tools.results_io import save_or_print, write_atomically
+
+
+def test_a_failed_rename_keeps_the_old_file_and_prints_the_results(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "results.json"
+    write_atomically(path, '{"old": 1}\n')
+
+    def fail(*_args):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", fail)
+    assert not save_or_print(path, '{"new": 2}\n', what="results JSON", prog="bytescale test")
+    out, err = capsys.readouterr()
+    assert out == '{"new": 2}\n'
+    assert err.strip() == (f"bytescale test: could not write the results JSON to '{path}' (Read-only file "
+                           "system); it is printed above on stdout instead")
+    assert path.read_text() == '{"old": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("main, argv", [
+    (plan_cmd.main, ["--global-tokens", "200000", "--hdp-size", "16", "--context-length", "32768"]),
+    (simulate_cmd.main, ["--global-tokens", "200000", "--hdp-size", "16", "--context-length", "32768",
+                         "--variants", "static,balance"]),
+])
+def test_json_under_a_regular_file_is_printed_instead(tmp_path, capsys, main, argv):
+    """An --json path whose parent is a file cannot be created, even by root."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    target = blocker / "out.json"
+    code = main([*argv, "--json", str(target), "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "could not write the" in err and f"'{target}'" in err and "Traceback" not in err, err
+    start = out.index("{")
+    printed, _ = json.JSONDecoder().raw_decode(out[start:])
+    assert printed["hdp_size"] == 16  # the whole JSON is on stdout
