@@ -87,6 +87,9 @@ def _ours(site: str) -> bool:
     return "/megatron_bytescale/" in path or "/tests/" in path
 
 
+_SHIM = "cpu_compat.py"  # testing.cpu_compat re-issues Megatron's CUDA calls for the CPU
+
+
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
         if "host_sync.py" not in frame.filename:
@@ -109,6 +112,8 @@ def host_syncs(mode: str = "raise") -> Iterator[HostSync]:
         if threading.get_ident() != owner:
             return
         site = _site()
+        if site.rsplit(":", 1)[0].endswith(_SHIM):
+            return  # the CPU stand-in's rewrite of a call already judged where it was made
         if what.startswith("blocking copy") and not _ours(site):
             return  # Megatron's own .to(device) calls move device tensors on a GPU
         entry = f"{what} at {site}"
