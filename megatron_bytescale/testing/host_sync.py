@@ -2,19 +2,20 @@
 
 On a GPU the hot path must never (a) read a device value back to the host (``.item()``,
 ``int()`` / ``float()`` / ``bool()`` of a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``,
-``.to("cpu")``; values of a host copy made that way are not counted again) nor (b) copy host data to the device with a blocking copy (``.to(device)``,
-``.cuda()`` without ``non_blocking=True``, ``torch.tensor(..., device=...)``):
-both wait for the device, and ``torch.cuda.set_sync_debug_mode("error")`` rejects them.
+``.to("cpu")``; values of a host copy made that way are not counted again) nor (b) copy host
+data to the device with a blocking copy (``.to(device)`` or ``.cuda()`` without
+``non_blocking=True``, ``torch.tensor(..., device=...)``): both wait for the device, and
+``torch.cuda.set_sync_debug_mode("error")`` rejects them.
 
 On CPU every tensor is a host tensor, so such calls cost nothing and no CUDA tool can flag
 them. :func:`host_syncs` patches those entry points for the duration of a ``with`` block and
 records (``mode="count"``) or refuses (``mode="raise"``) every call, so a CPU test proves the
 block makes none. Reads back count wherever they are made (a Megatron ``.item()`` syncs as
 much as ours); blocking copies count only from this package's code, since on a GPU Megatron's
-``.to(device)`` calls move tensors that already live on the device. It is deliberately strict: a ``.to(device)`` that would be a device-to-device
-no-op on a GPU counts too; code that means it passes ``non_blocking=True``, which costs nothing.
-Copies from the host the hot path does need go through ``backends.host_to_device`` (pinned,
-non-blocking; returns the tensor itself on CPU).
+``.to(device)`` calls move tensors that already live on the device. It is deliberately strict:
+a ``.to(device)`` that would be a device-to-device no-op on a GPU counts too; code that means
+it passes ``non_blocking=True``, which costs nothing. Copies from the host the hot path does
+need go through ``backends.host_to_device`` (pinned, non-blocking; the tensor itself on CPU).
 """
 
 from __future__ import annotations
