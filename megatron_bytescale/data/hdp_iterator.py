@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from megatron_bytescale.planner.order import check_deadlock_free
 from megatron_bytescale.planner.plan import MicroBatch, StepPlan
+from megatron_bytescale.runtime.backends.base import host_to_device
 
 from .batch import GlobalBatch, TokenSequence
 from .batch_sources import BatchSource, checked_step, is_one_shot, open_source, ray_source
@@ -599,10 +600,13 @@ def check_plan_hashes(
     if size == 1:
         return
     device = collective_device(group)
-    mine = torch.tensor(list(bytes.fromhex(plan_hash)), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
-    hashes = [bytes(t.cpu().tolist()).hex() for t in gathered]
+    # built on the host, copied without blocking, gathered into one table, read back ONCE
+    mine = host_to_device(torch.frombuffer(bytearray.fromhex(plan_hash), dtype=torch.uint8),
+                          device)  # fmt: skip
+    table = torch.empty((size, mine.numel()), dtype=torch.uint8, device=device)
+    dist.all_gather(list(table.unbind(0)), mine, group=group)
+    rows = table.cpu().numpy()
+    hashes = [row.tobytes().hex() for row in rows]
     if len(set(hashes)) == 1:
         return
     by_hash: dict[str, list[int]] = {}

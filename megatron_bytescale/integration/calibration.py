@@ -462,8 +462,8 @@ def measure_p2p_link(
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 ops = [
-                    dist.P2POp(dist.isend, send, peer, group=hdp.group),
-                    dist.P2POp(dist.irecv, recv, peer, group=hdp.group),
+                    dist.P2POp(dist.isend, send, peer, group=hdp.ring_group),
+                    dist.P2POp(dist.irecv, recv, peer, group=hdp.ring_group),
                 ]
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()

@@ -8,8 +8,10 @@ every micro-batch its own ring, of any size, on any ranks (DESIGN.md D1-D3):
   use). Megatron's data-parallel group, ``get_data_parallel_group(with_context_parallel=True)``,
   *is* the HDP group: DDP reduces gradients over it, the distributed optimizer shards over it
   (ZeRO-1 over all HDP ranks), and ``finalize_model_grads`` all-reduces the token count over it.
-* No other process group is created. A ring is an ordered tuple of HDP ranks
-  (``runtime.Ring``) and its traffic is batched P2P on that one group (D2).
+* One more process group is created, once: the ring group, over the same ranks as the HDP
+  group (one per HDP group with TP / PP). A ring is an ordered tuple of HDP ranks
+  (``runtime.Ring``) and its traffic is batched P2P on the ring group, never on the HDP group,
+  whose NCCL stream also carries the gradient reductions (D2, docs/communicators.md).
 * TP and PP stay Megatron's (D11): there is one HDP group per (TP rank, pipeline stage), and
   :class:`HDPRankMap` reads this process's place in that layout from Megatron's own process
   groups (never from rank arithmetic) and checks that every TP rank and stage of a model
@@ -232,8 +234,11 @@ class HDPRankMap:
             pp_global_ranks=ranks(ps.get_pipeline_model_parallel_group()),
         )
 
-    def verify(self) -> None:
+    def verify(self) -> list[tuple[int, int, int]]:
         """Check across the world that the groups fit together as HDP needs (one all-gather).
+
+        Returns every global rank's (HDP rank, TP rank, stage) row (:meth:`hdp_groups` reads
+        all HDP groups from it).
 
         Raises RuntimeError on every rank (naming the ranks that disagree) when a TP group or a
         pipeline mixes HDP ranks, or an HDP group mixes TP ranks or stages: then two ranks that
@@ -259,6 +264,16 @@ class HDPRankMap:
                 "Megatron's process groups do not fit HDP (every TP rank and pipeline stage of a "
                 f"model replica must have the same data-parallel rank): {detail}"
             )
+        return rows
+
+    @staticmethod
+    def hdp_groups(rows: list[tuple[int, int, int]]) -> list[tuple[int, ...]]:
+        """Every HDP group of the world (global ranks in HDP-rank order), from :meth:`verify`'s
+        rows: the ranks that share a TP rank and a stage, ordered by HDP rank."""
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for global_rank, (hdp_rank, tp_rank, pp_rank) in enumerate(rows):
+            groups.setdefault((tp_rank, pp_rank), []).append((hdp_rank, global_rank))
+        return [tuple(g for _, g in sorted(members)) for _, members in sorted(groups.items())]
 
     def inconsistencies(self, rows: list[tuple[int, int, int]]) -> list[str]:
         """What is wrong from this rank's view, given every global rank's (hdp, tp, pp) row."""
@@ -319,11 +334,12 @@ class HDPGroupManager:
         """Wrap Megatron's (already initialised) data-parallel group as the HDP group.
 
         Reads the TP / PP layout from Megatron's groups (:class:`HDPRankMap`) and checks it
-        across the world (a collective: call it on every rank).
+        across the world, then creates the ring groups, one per HDP group (collectives: call it
+        on every rank, once).
         """
         from megatron.core import parallel_state
 
-        from megatron_bytescale.runtime import HDPGroup
+        from megatron_bytescale.runtime import HDPGroup, new_ring_groups
 
         if parallel_state.get_context_parallel_world_size() != 1:
             raise ValueError(
@@ -333,10 +349,10 @@ class HDPGroupManager:
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         rank_map = HDPRankMap.from_megatron()
-        rank_map.verify()
+        ring_group = new_ring_groups(HDPRankMap.hdp_groups(rank_map.verify()))
         return cls(
-            HDPGroup(group), attention_backend=attention_backend, dkv_wire=dkv_wire,
-            rank_map=rank_map,
+            HDPGroup(group, ring_group=ring_group), attention_backend=attention_backend,
+            dkv_wire=dkv_wire, rank_map=rank_map,
         )  # fmt: skip
 
     @property

@@ -149,7 +149,9 @@ def _offloader(model: Any) -> Any:
         return None
     from .offload import activation_offloader
 
-    return activation_offloader(model)
+    # the pinned host pool stays within the host budget the planner used (Eq. 3)
+    host_gb = getattr(args, "bytescale_host_memory_gb", None)
+    return activation_offloader(model, host_memory_bytes=host_gb * 1e9 if host_gb else None)
 
 
 def _only(value: Any, what: str) -> Any:

@@ -61,7 +61,7 @@ class ByteScaleGPTModel(GPTModel):
         cached: Optional[torch.Tensor] = getattr(self, "_bytescale_rope_table", None)
         if cached is None or cached.device != device:
             emb = self.rotary_pos_emb.get_emb(self.max_sequence_length)  # [max_len, 1, 1, dim]
-            cached = emb[:, 0, 0, :].to(device)
+            cached = emb[:, 0, 0, :].to(device, non_blocking=True)  # once per device
             self._bytescale_rope_table = cached
         return cached
 

@@ -333,7 +333,7 @@ def run_micro_batches(
             if not forward_only:
                 with micro_batch_scope(manager, tensors, counters, phase="backward"):
                     megatron_backward_step(output, model, config)
-        local_tokens += num_tokens.to(local_tokens.device)
+        local_tokens += num_tokens.to(local_tokens.device, non_blocking=True)
         records.append(
             MicroBatchRecord(
                 order=planned.order,

@@ -27,7 +27,9 @@ its share fills ``r * (l - 2) * Act(share)`` bytes of host memory per micro-batc
 first stage keeps ``pp_size`` forwards in flight under 1F1B). A ratio whose host memory would
 exceed the budget is not a solution: :func:`minimal_ratio_for_ring` returns None for it, so the
 solver moves on to a larger ring that needs less (and :func:`fits_at_all` rejects a sequence
-that only fits by breaking the budget).
+that only fits by breaking the budget). The runtime counts the same bytes: its pinned pool
+carves the offloaded tensors out of power-of-two slabs (what PyTorch really pins) kept under
+this budget (``runtime/host_pool.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from .backends import (
     get_backend,
 )
 from .counters import CommCounters, MicroBatchCommStats, StepCommStats
-from .hdp_group import HDPGroup, Ring
+from .hdp_group import HDPGroup, Ring, new_ring_groups
 from .layout import (
     PAD_TOKEN_ID,
     AttentionLayout,
@@ -50,6 +50,7 @@ from .ring_step import (
 from .two_level_ring import two_level_ring_attention
 
 __all__ = [
+    "new_ring_groups",
     "AttentionBlock",
     "attention_block",
     "take_rows",

@@ -1,10 +1,20 @@
 """The HDP group and ring descriptors (DESIGN.md D1, D2).
 
-All HDP ranks share ONE process group. A ring is not a process group: it is an ordered tuple of
-HDP ranks that exchange data through batched point-to-point operations on that one group
-(:mod:`.ring_comm`). Creating a ring therefore costs nothing and never touches the
-communicator, which is what lets ByteScale build a different ring for every micro-batch
-without the memory and latency cost of dynamic NCCL communicators (paper.md §3.4).
+All HDP ranks share ONE process group for collectives (gradient reduction, token counts) and
+ONE more group over the same ranks for ring traffic, both created once at start-up. A ring is
+not a process group: it is an ordered tuple of HDP ranks that exchange data through batched
+point-to-point operations on the ring group (:mod:`.ring_comm`). Creating a ring therefore
+costs nothing and never touches a communicator, which is what lets ByteScale build a different
+ring for every micro-batch without the memory and latency cost of dynamic NCCL communicators
+(paper.md §3.4).
+
+Why a second group (docs/communicators.md): on NCCL every operation of one process group runs
+on that group's stream, in the order this rank issued it. With ``--overlap-grad-reduce`` a
+rank whose last micro-batch is a ring issues a gradient bucket's all-reduce in the middle of
+that ring's backward; its remaining ring sends would queue behind the all-reduce, which
+completes only when every HDP rank joins it, while a ring peer with micro-batches left joins
+only after the ring finishes: a deadlock. On their own communicator the ring's operations
+never wait for a collective.
 
 HDP ranks are ranks *inside* the HDP group; the global (world) rank of a peer is looked up in
 one place, :meth:`HDPGroup.global_rank`, because ``torch.distributed`` P2P calls address peers
@@ -81,6 +91,14 @@ class HDPGroup:
     Args:
         group: the HDP process group (Megatron's data-parallel group, D1); ``None`` means
             the default (WORLD) group. ``torch.distributed`` must already be initialised.
+        ring_group: the group ring traffic runs on: the same ranks as ``group`` in the same
+            order, used for nothing else (D2). ``None`` creates it here: with ``new_group`` over
+            every rank when ``group`` is WORLD (every process constructs at the same point),
+            otherwise with ``use_local_synchronization`` (only the members construct). Layouts
+            with several HDP groups (TP / PP) create all of them in one order on every rank and
+            pass this rank's (:func:`new_ring_groups`). Passing ``group`` itself puts rings and
+            collectives on one communicator, which can deadlock on NCCL; tests use it to show
+            that.
 
     The global ranks of the group are read once here, so creating rings and sending to peers
     never queries or creates process groups (D2).
@@ -91,7 +109,12 @@ class HDPGroup:
     rank of the group to take part, while a ring involves only its members.)
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        ring_group: dist.ProcessGroup | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "HDPGroup needs an initialised torch.distributed process group; call "
@@ -109,13 +132,35 @@ class HDPGroup:
             raise RuntimeError(
                 f"HDP group reports size {self._size} but {len(self._global_ranks)} global ranks"
             )
+        if ring_group is None:
+            ring_group = _new_ring_group(self._group, self._global_ranks)
+        ring_ranks = tuple(dist.get_process_group_ranks(ring_group))
+        if ring_ranks != self._global_ranks:
+            raise ValueError(
+                f"the ring group's global ranks {list(ring_ranks)} differ from the HDP group's "
+                f"{list(self._global_ranks)}; create it over the same ranks in the same order"
+            )
+        self._ring_group = ring_group
+        if ring_group is self._group and uses_nccl(self._group):
+            logger.warning(
+                "ring traffic shares the HDP group's NCCL communicator: with overlapped gradient "
+                "reduction or parameter gathering this can deadlock (docs/communicators.md)"
+            )
         if uses_nccl(self._group):
             warm = torch.zeros(1, device=collective_device(self._group))
             dist.all_reduce(warm, group=self._group)
+            if ring_group is not self._group:
+                dist.all_reduce(warm, group=ring_group)
 
     @property
     def group(self) -> dist.ProcessGroup:
+        """The group of the collectives (gradient reduction, token counts, plan hashes)."""
         return self._group
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup:
+        """The group ring P2P runs on: same ranks as :attr:`group`, no collective after start-up."""
+        return self._ring_group
 
     @property
     def device(self) -> torch.device:
@@ -177,6 +222,33 @@ class HDPGroup:
 
     def __repr__(self) -> str:
         return f"HDPGroup(rank={self._rank}, size={self._size})"
+
+
+def _new_ring_group(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    if group is dist.group.WORLD:
+        return dist.new_group(list(ranks))
+    return dist.new_group(list(ranks), use_local_synchronization=True)
+
+
+def new_ring_groups(hdp_groups: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+    """Create one ring group per HDP group and return this rank's; call on EVERY rank.
+
+    ``hdp_groups`` lists the global ranks of every HDP group of the world (with TP / PP there
+    is one per (TP rank, stage)); each must be in HDP-rank order. The groups are created in
+    sorted order, so every rank makes the same ``new_group`` calls in the same order, as
+    ``new_group`` requires (and as Megatron creates its own groups).
+    """
+    me = dist.get_rank()
+    mine = None
+    for ranks in sorted(tuple(int(r) for r in g) for g in hdp_groups):
+        created = dist.new_group(list(ranks))
+        if me in ranks:
+            if mine is not None:
+                raise ValueError(f"global rank {me} is in more than one HDP group: {hdp_groups}")
+            mine = created
+    if mine is None:
+        raise ValueError(f"global rank {me} is in none of the HDP groups {list(hdp_groups)}")
+    return mine
 
 
 def uses_nccl(group: dist.ProcessGroup) -> bool:

@@ -121,6 +121,8 @@ class ActivationOffloader:
             regions hold ``num_tokens / tp`` rows per TP rank: those are token dimensions too.
         stream_ops: the stream primitives (default: CUDA's on a CUDA device, else the
             synchronous host stand-ins); tests inject recording ones.
+        host_memory_bytes: the host budget per rank the planner used (Eq. 3): the pinned pool
+            stays under it (None: unlimited).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class ActivationOffloader:
         params_of: Iterable[torch.nn.Module] | None = None,
         stream_ops: StreamOps | None = None,
         sequence_parallel_size: int = 1,
+        host_memory_bytes: float | None = None,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -154,7 +157,8 @@ class ActivationOffloader:
         self._param_modules = list(params_of) if params_of is not None else layers
         ops = stream_ops if stream_ops is not None else stream_ops_for(self.device)
         self.transfers = ActivationTransfers(ops)
-        self.pool = HostBufferPool(pin_memory=ops.pin_memory)
+        # the planner's Eq. 3 host budget caps the pinned slabs (runtime/host_pool.py)
+        self.pool = HostBufferPool(pin_memory=ops.pin_memory, limit_bytes=host_memory_bytes)
         self._layer_stack: list[int] = []
         self._hooks = []
         for index, layer in enumerate(layers):

@@ -1,7 +1,9 @@
-"""Batched point-to-point traffic of one ring on the one HDP group (DESIGN.md D2).
+"""Batched point-to-point traffic of one ring on the HDP ring group (DESIGN.md D2).
 
 :class:`RingComm` queues send and receive operations, issues them all with ONE
-``torch.distributed.batch_isend_irecv`` on the HDP process group (:meth:`commit`), and
+``torch.distributed.batch_isend_irecv`` on the HDP group's ring group (:meth:`commit`; a
+group over the HDP ranks that carries nothing else, so ring steps never queue behind a
+gradient reduction on NCCL, see :mod:`.hdp_group`), and
 completes them in :meth:`wait`. Callers commit before computing and wait just before they need
 the data, so the transfer overlaps the computation.
 
@@ -37,7 +39,7 @@ class RingComm:
     """Queue, commit and wait for P2P operations between members of ``ring``.
 
     Args:
-        hdp: the HDP group; every operation runs on ``hdp.group``.
+        hdp: the HDP group; every operation runs on ``hdp.ring_group``.
         ring: this rank's ring descriptor; peers must be members of it.
         counters: where bytes and P2P calls are counted: a :class:`CommCounters` (charged to
             its current micro-batch) or one :class:`MicroBatchCommStats` record.
@@ -86,7 +88,7 @@ class RingComm:
                 dist.isend,
                 tensor.contiguous(),
                 peer=self._peer(peer),
-                group=self._hdp.group,
+                group=self._hdp.ring_group,
                 tag=self._tag,
             )
         )
@@ -98,7 +100,7 @@ class RingComm:
             raise RuntimeError("RingComm.recv needs a contiguous receive buffer")
         self._ops.append(
             dist.P2POp(
-                dist.irecv, buffer, peer=self._peer(peer), group=self._hdp.group, tag=self._tag
+                dist.irecv, buffer, peer=self._peer(peer), group=self._hdp.ring_group, tag=self._tag
             )
         )
         return buffer
@@ -125,7 +127,7 @@ class RingComm:
 
     # ------------------------------------------------------------------ issue / complete
     def commit(self) -> None:
-        """Issue every queued operation with one ``batch_isend_irecv`` on the HDP group."""
+        """Issue every queued operation with one ``batch_isend_irecv`` on the ring group."""
         if self._works is not None:
             raise RuntimeError("RingComm.commit called twice without wait")
         if not self._ops:

@@ -32,6 +32,7 @@ def _child(
     args: tuple,
     results: "mp.Queue",
     timeout_s: float,
+    hard_exit: bool = False,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -48,6 +49,10 @@ def _child(
     except BaseException:  # report everything, including KeyboardInterrupt from a kill
         results.put(("err", rank, traceback.format_exc()))
     finally:
+        if hard_exit:  # gloo work left pending on purpose would block the teardown
+            results.close()
+            results.join_thread()
+            os._exit(0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -57,12 +62,17 @@ def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
     timeout_s: float = 300.0,
+    hard_exit: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (a module-level function). Returns the per-rank return values
     (which must be picklable) in rank order. Raises :class:`DistributedTestError` with every
     failing rank's traceback, or with the ranks that did not finish within ``timeout_s``.
+
+    ``hard_exit`` ends each process right after it reported, without tearing the process group
+    down: for runs that leave gloo operations pending on purpose (a deadlock shown by
+    ``testing.stream_order``), whose teardown would wait for them.
     """
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
@@ -73,7 +83,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(rank, world_size, init_file, fn, args, results, timeout_s),
+                args=(rank, world_size, init_file, fn, args, results, timeout_s, hard_exit),
                 daemon=True,
             )
             for rank in range(world_size)

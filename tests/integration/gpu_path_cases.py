@@ -1,4 +1,4 @@
-"""Per-rank body of the GPU-path tests: overlapped reduction, recompute, no host reads.
+"""Per-rank body of the GPU-path tests: overlapped reduction, recompute, no host syncs.
 
 One 4-process gloo spawn (module level so that spawned processes import it). Hand-written plans
 make ranks run different numbers of micro-batches, none on some rank in some step, over rings
@@ -67,27 +67,6 @@ def _train(manager, initial_state, config, *, counters=None, **wrap) -> list[dic
     return grads, ddp
 
 
-@contextlib.contextmanager
-def no_host_reads():
-    """Fail on any read of a tensor value back to the host (what syncs a GPU): ``.item()``,
-    ``int()``/``float()``/``bool()`` of a tensor, ``.tolist()``, ``.numpy()``."""
-    names = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def refuse(name):
-        def method(self, *args, **kwargs):
-            raise AssertionError(f"host read-back: Tensor.{name} in the hot path")
-        return method
-
-    for name in names:
-        setattr(torch.Tensor, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-
-
 def gpu_path_body(rank: int, world_size: int) -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
@@ -143,22 +122,28 @@ def gpu_path_body(rank: int, world_size: int) -> dict[str, Any]:
     from megatron_bytescale.integration.schedule import run_micro_batches
     from megatron_bytescale.integration.training import wrap_for_hdp
 
+    # (host_syncs: reads back AND blocking host-to-device copies; see testing.host_sync)
+    from megatron_bytescale.testing.host_sync import host_syncs
+
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=CONTEXT)
     ddp, _ = wrap_for_hdp(model, lr=1e-2, overlap_grad_reduce=True)
     plan, tokens = _plans()[2]
-    step = next(HDPDataIterator([tokens], planner=lambda _: plan, hdp=manager.hdp))
+    iterator = HDPDataIterator([tokens, tokens], planner=lambda _: plan, hdp=manager.hdp)
+    next(iterator)
+    # the iterator's per-step path (plan, hash check): one gathered hash table read back, once
+    with host_syncs("count") as seen:
+        step = next(iterator)
+    out["iterator_syncs"] = seen.calls
     tensors = list(step.micro_batch_tensors())  # built (on the host) before the hot loop
     step = _prebuilt(step, tensors)
     ddp.zero_grad_buffer()
-    try:
-        with no_host_reads():
+    with host_syncs("count") as seen:
+        try:
             run_micro_batches(step, model=ddp, config=ddp.config, manager=manager)
-        out["host_reads"] = None
-    except AssertionError as exc:
-        import traceback
-
-        out["host_reads"] = traceback.format_exc()
+        finally:
+            out["host_reads"] = seen.calls
     ddp.finish_grad_sync()
+    iterator.close()
     return out
 
 

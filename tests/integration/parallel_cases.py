@@ -293,15 +293,18 @@ def random_pipeline_plan(rng: np.random.Generator):
     return lengths, pipeline_plan(lengths, rows)
 
 
-def stress_batches(seed: int):
-    """``STRESS_PLANS`` (tokens, planner) pairs: PP-Balance plans of random long-tailed batches
-    and, every third, a random aligned plan with random counts per pipeline (zero included)."""
+def stress_batches(seed: int, *, hdp_size: int = 2, pp_size: int = 2, count: int = STRESS_PLANS):
+    """``count`` (tokens, planner) pairs: PP-Balance plans of random long-tailed batches
+    and, every third, a random aligned plan with random counts per pipeline (zero included).
+    For another layout than HDP 2 x PP 2 every plan is the balance scheduler's."""
     from megatron_bytescale.integration.planning import make_step_planner
 
     rng = np.random.default_rng(seed)
-    balance = make_step_planner(two_rank_config(), hdp_size=2, cost_model=cost_model(), pp_size=2)
-    for index in range(STRESS_PLANS):
-        if index % 3 == 2:
+    balance = make_step_planner(two_rank_config(), hdp_size=hdp_size, cost_model=cost_model(),
+                                pp_size=pp_size)  # fmt: skip
+    random_plans = (hdp_size, pp_size) == (2, 2)
+    for index in range(count):
+        if random_plans and index % 3 == 2:
             lengths, plan = random_pipeline_plan(rng)
             planner = lambda _lengths, plan=plan: plan  # noqa: E731 - one fixed plan
         else:

@@ -6,7 +6,8 @@
 * recompute: full-layer recompute and Megatron's selective ``core_attn`` recompute give the
   same gradients; the latter reruns the ring forward (counted) and warns once;
 * the micro-batch loop (forward, backward, ring P2P, overlapped bucket hooks) reads no tensor
-  value back to the host.
+  value back to the host and makes no blocking host-to-device copy; the iterator's step (plan,
+  hash check) reads back exactly once: the gathered table of plan hashes.
 """
 
 from __future__ import annotations
@@ -47,5 +48,13 @@ def test_selective_core_attn_recompute_reruns_the_ring_and_says_so(results):
     assert warned and "Drop core_attn from --recompute-modules" in warned[0]
 
 
-def test_micro_batch_loop_reads_nothing_back(results):
-    assert [r["host_reads"] for r in results] == [None] * 4
+def test_micro_batch_loop_makes_no_host_sync(results):
+    # no read back, no blocking host-to-device copy (testing.host_sync), on every rank
+    assert [r["host_reads"] for r in results] == [[]] * 4
+
+
+def test_iterator_step_reads_the_hash_table_back_once(results):
+    for r in results:
+        calls = r["iterator_syncs"]
+        assert len(calls) == 1 and calls[0].startswith("read Tensor.cpu"), calls
+        assert "hdp_iterator.py" in calls[0], calls

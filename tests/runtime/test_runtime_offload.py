@@ -285,9 +285,18 @@ def test_streams_are_ordered_like_the_gpu_path_needs(x0):
         assert ("wait_event", "compute", name) in log
     # pending events keep the buffers out of the pool until they complete
     assert offloader.pool.allocations == allocations
+    pending = offloader.pool.pending_buffers
+    assert len(pending) == len(offloads)
+    taken = []
+    acquire = offloader.pool.acquire
+    offloader.pool.acquire = lambda n: taken.append(acquire(n)) or taken[-1]
     with offloader.micro_batch(1.0, num_tokens=T):
         loss = sum(layer(x0.clone().requires_grad_() * 1.0).sum() for layer in layers[:1])
-    assert offloader.pool.allocations > allocations, "reused a buffer whose copy may still run"
+    del offloader.pool.acquire
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in pending]
+    assert taken and not any(a < e and s < b for s, e in spans
+                             for a, b in ((t.data_ptr(), t.data_ptr() + t.numel()) for t in taken)
+                             ), "reused a buffer whose copy may still run"  # fmt: skip
     for event in ops.events:
         event.done = True
     loss.backward()
@@ -330,3 +339,22 @@ def test_a_pipeline_stage_input_stays_resident(x0):
             out = layers[2](layers[1](layers[0](x if leaf else x * 1.0)))
         out.sum().backward()
         assert offloader.end_step().offloaded_bytes == expected
+
+
+def test_the_pinned_pool_stays_within_the_host_budget_of_eq3(x0):
+    """The host bytes Eq. 3 counts (what one micro-batch offloads) are what the pool pins."""
+    from megatron_bytescale.runtime.host_pool import pinned_bytes
+
+    layers = make_layers()
+    probe = ActivationOffloader(layers, min_tensor_bytes=0)
+    run_step(layers, x0, probe, [1.0])
+    need = probe.end_step().offloaded_bytes
+    budget = need + 64 * 512  # Eq. 3's bytes, plus one 512-byte alignment per saved tensor
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0, host_memory_bytes=budget)
+    for _ in range(3):
+        run_step(layers, x0, offloader, [1.0])
+        stats = offloader.end_step()
+    pool = offloader.pool
+    assert pool.over_limit_bytes == 0 and stats.host_pool_bytes == pool.capacity_bytes <= budget
+    assert all(pinned_bytes(s) == s for s in pool.slab_sizes)  # what torch pins, not more
+    assert stats.host_peak_bytes >= need

@@ -47,11 +47,13 @@ class _CallCounter:
 
     def __init__(self, name: str) -> None:
         self.name, self.calls = name, 0
+        self.args: list[tuple] = []
         self._orig = getattr(dist, name)
 
     def __enter__(self):
         def wrapper(*args, **kwargs):
             self.calls += 1
+            self.args.append(args)
             return self._orig(*args, **kwargs)
 
         setattr(dist, self.name, wrapper)
@@ -101,9 +103,11 @@ def check_bytes_and_calls(rank: int) -> dict:
     )
     counters = CommCounters()
     facts = []
+    groups = set()
     for index, mb in enumerate(plan.ranks[rank].micro_batches):
         with _CallCounter("batch_isend_irecv") as calls:
             layout, *_ = _run_mb(plan, rank, index, hdp, counters)
+        groups.update(id(op.group) for (ops,) in calls.args for op in ops)
         rec = counters.micro_batches[-1]
         expected = ring_attention_p2p_bytes(
             num_tokens=layout.num_tokens,
@@ -126,6 +130,11 @@ def check_bytes_and_calls(rank: int) -> dict:
     step = counters.end_step()
     return {
         "facts": facts,
+        # every ring operation ran on the ring group, none on the HDP (collectives') group
+        "p2p_groups": sorted(
+            {id(hdp.ring_group): "ring", id(hdp.group): "hdp"}.get(g, "other") for g in groups
+        ),
+        "ring_group_ranks": dist.get_process_group_ranks(hdp.ring_group),
         "step_sent": step.total.bytes_sent,
         "plan_bytes": plan_p2p_bytes(plan, num_kv_heads=N_KV, head_dim=HEAD_DIM, element_size=4),
     }
@@ -155,8 +164,11 @@ def check_static_cp_bytes(rank: int) -> dict:
 
 
 def check_no_group_creation(rank: int) -> dict:
-    """Many steps with different rings create no process group."""
-    hdp = HDPGroup()
+    """The HDP group creates exactly one group (the ring group); many steps with different
+    rings create none."""
+    at_start = _num_process_groups()
+    with _CallCounter("new_group") as made:
+        hdp = HDPGroup()
     before = _num_process_groups()
     with _CallCounter("new_group") as created:
         rng = random.Random(11)
@@ -166,7 +178,8 @@ def check_no_group_creation(rank: int) -> dict:
             for index in range(len(plan.ranks[rank].micro_batches)):
                 _run_mb(plan, rank, index, hdp, counters, seed=step)
                 hdp.ring(plan.ranks[rank].micro_batches[index].ring)
-    return dict(before=before, after=_num_process_groups(), new_group_calls=created.calls)
+    return dict(at_start=at_start, construction_calls=made.calls, before=before,
+                after=_num_process_groups(), new_group_calls=created.calls)
 
 
 def check_backward_charged_to_forward_micro_batch(rank: int) -> dict:
@@ -325,7 +338,9 @@ def check_subgroup(rank: int) -> dict:
     plan = builder.build(scheduler="t").validate()
     rows = run_plan_on_rank(hdp.rank, plan, 13, N_Q, N_KV, HEAD_DIM, hdp=hdp)
     mapping = [hdp.global_rank(r) for r in range(hdp.size)]
-    return dict(msg=msg, rows=rows, plan=plan, mapping=mapping, hdp_rank=hdp.rank)
+    ring_ranks = dist.get_process_group_ranks(hdp.ring_group)
+    return dict(msg=msg, rows=rows, plan=plan, mapping=mapping, hdp_rank=hdp.rank,
+                ring_ranks=ring_ranks, separate=hdp.ring_group is not mine)
 
 
 CHECKS = [
@@ -379,8 +394,16 @@ def test_static_cp_ring_bytes(results):
 def test_no_process_group_created(results):
     for r in results:
         out = r["check_no_group_creation"]
+        assert out["construction_calls"] == 1 and out["before"] == out["at_start"] + 1, out
         assert out["new_group_calls"] == 0
         assert out["after"] == out["before"], out
+
+
+def test_ring_traffic_runs_on_the_ring_group_only(results):
+    for r in results:
+        out = r["check_bytes_and_calls"]
+        assert out["p2p_groups"] == ["ring"], out["p2p_groups"]
+        assert out["ring_group_ranks"] == list(range(WORLD))
 
 
 def test_backward_bytes_charged_to_forward_micro_batch(results):
@@ -416,8 +439,8 @@ def test_ring_comm_misuse(results):
 def test_subgroup_hdp_group_maps_ranks(results):
     for rank, r in enumerate(results):
         out = r["check_subgroup"]
-        assert out["mapping"] == ([0, 1] if rank < 2 else [2, 3])
-        assert out["hdp_rank"] == rank % 2
+        assert out["mapping"] == out["ring_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert out["separate"] and out["hdp_rank"] == rank % 2
     for pair in ((0, 1), (2, 3)):
         outs = [results[g]["check_subgroup"] for g in pair]
         errors = compare_with_reference(

@@ -84,3 +84,7 @@ def test_two_level_ring_matches_reference_flat_ring_and_byte_formula():
                     assert lv["total"] == lv["intra"] + lv["inter"] and lv["inter"] > 0 and lv["intra"] > 0
     expected = sum(_two_level_micro_batches(c) for c in cases)
     assert groups == expected >= 4 * 6  # per member: 5 hand-built two-level rings + the planner's
+    # no host sync: no read back, no blocking copy of the index tensors (testing.host_sync)
+    syncs = [s for r in results for ci in range(len(cases)) for s in r[ci]["host_syncs"]]
+    assert sum(len(s) for s in syncs) == 0, [s for s in syncs if s][:3]
+    assert len(syncs) == sum(len(rp.micro_batches) for c in cases for rp in c["plan"].ranks)

@@ -31,7 +31,7 @@ def two_level_body(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
         plan, topo = case["plan"], Topology.from_dict(case["topology"])
         n_q, n_kv, head_dim = case["n_q"], case["n_kv"], case["head_dim"]
         data = global_tensors(case["seed"], plan, n_q, n_kv, head_dim)
-        rows, flat_rows, diff, levels = [], [], 0.0, []
+        rows, flat_rows, diff, levels, syncs = [], [], 0.0, [], []
         for index, mb in enumerate(plan.ranks[rank].micro_batches):
             layout = layout_for(plan, hdp, index)
             x = local_inputs(layout, data, fill=0.0)
@@ -46,6 +46,7 @@ def two_level_body(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
             for kind in ("out", "dq", "dk", "dv"):
                 a, b = results["two"][kind], results["flat"][kind]
                 diff = max(diff, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
+            syncs.append(_guarded_two_level(plan, hdp, index, x, topo))
             rows.append(scatter_results(layout, results["two"]))
             flat_rows.append(scatter_results(layout, results["flat"]))
             g = two_level_plan(layout, topo, n_kv)
@@ -62,5 +63,20 @@ def two_level_body(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
             levels.append({"ring": mb.ring, "group": g, "intra": stats.intra_node_bytes_sent,
                            "inter": stats.inter_node_bytes_sent, "total": stats.bytes_sent,
                            "want": want})
-        out.append({"rows": rows, "flat_rows": flat_rows, "diff": diff, "levels": levels})
+        out.append({"rows": rows, "flat_rows": flat_rows, "diff": diff, "levels": levels,
+                    "host_syncs": syncs})
     return out
+
+
+def _guarded_two_level(plan, hdp, index, x, topo) -> list[str]:
+    """Forward and backward of a fresh micro-batch (its per-micro-batch index tensors are built
+    inside) under ``testing.host_sync``: the host syncs a GPU would make (none expected)."""
+    from megatron_bytescale.runtime import layout_for, two_level_ring_attention
+    from megatron_bytescale.testing.host_sync import host_syncs
+
+    layout = layout_for(plan, hdp, index)
+    q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    with host_syncs("count") as seen:
+        o = two_level_ring_attention(q, k, v, layout, hdp, topology=topo)
+        o.backward(x["dout"])
+    return seen.calls

@@ -130,6 +130,8 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":
+        return host  # already there: no copy at all
     return host.to(device)
 
 
