@@ -48,6 +48,7 @@ __all__ = [
     "hdp_forward_backward",
     "hdp_refusals",
     "validate_args",
+    "wrap_config_container",
     "wrap_datasets_provider",
     "wrap_forward_step",
     "wrap_model_builder",
@@ -109,11 +110,24 @@ def chain_extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvi
     """An ``extra_args_provider`` that runs ``other`` (e.g. ModelOpt's) and then adds ours."""
 
     def provider(parser: Any) -> Any:
+        _refuse_unsupported_megatron()  # the first hook pretrain_gpt.py calls: start-up
         if other is not None:
             parser = other(parser)
         return add_bytescale_args(parser)
 
     return provider
+
+
+def _refuse_unsupported_megatron() -> None:
+    """Exit with status 2 and one line naming the supported versions on an unsupported Megatron."""
+    from .compat import UnsupportedMegatronVersion, require_supported_megatron
+
+    try:
+        require_supported_megatron()
+    except UnsupportedMegatronVersion as exc:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"megatron_bytescale: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def check_args(args: Any) -> Optional[HDPParallelLayout]:
@@ -313,6 +327,24 @@ def wrap_model_builder(megatron_builder: Callable[..., Any]) -> Callable[..., An
                      pg_collection=pg_collection)
 
     return builder
+
+
+def wrap_config_container(container: Any) -> Any:
+    """Megatron-LM 0.19's ``PretrainConfigContainer`` for ``pretrain``: model left to us with HDP.
+
+    From core_v0.19 ``pretrain_gpt.py`` builds the model from ``container.model`` (a GPT model
+    config) and uses ``model_provider`` only when that is None. With ``--bytescale-hdp`` a copy
+    without the model config is returned, so ``pretrain`` calls the ``model_provider`` the patch
+    passes (:func:`wrap_model_builder`: the ByteScale GPT); otherwise ``container`` as is.
+    """
+    args_ = megatron_args()
+    if args_ is None or not getattr(args_, "bytescale_hdp", False):
+        return container
+    import copy
+
+    hdp_container = copy.copy(container)
+    hdp_container.model = None
+    return hdp_container
 
 
 def build_hdp_gpt_model(args: Any, pre_process: bool = True, post_process: bool = True,

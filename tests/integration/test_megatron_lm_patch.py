@@ -1,7 +1,7 @@
 """The Megatron-LM patch against a real Megatron-LM tree, through its own ``pretrain_gpt.py``.
 
-The tree is ``$MEGATRON_LM_DIR`` or, by default, the unmodified core_v0.16.1 tree in
-``shared/megatron-lm`` beside the repository; the session fixture ``patched_megatron_lm``
+The tree is ``$MEGATRON_LM_DIR`` or, by default, the unmodified tree in ``shared/megatron-lm``
+beside the repository at the tag of the installed megatron-core (core_v0.16.1 or core_v0.19.0); the session fixture ``patched_megatron_lm``
 (``conftest.py``) copies it to a temporary folder and applies the patch with
 ``scripts/apply_megatron_patches.sh``. These tests then parse real Megatron flags with the
 patched ``validate_args`` and run the patched ``pretrain_gpt.py`` for four iterations on 1 and 2
@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from megatron_bytescale.testing.megatron_lm import (
+    MEGATRON_LM_TAG,
     PatchedMegatronLM,
     run_pretrain_gpt,
     validate_megatron_flags,
@@ -29,7 +30,7 @@ from megatron_bytescale.testing.megatron_lm import (
 from .megatron_lm_cases import TOLERANCE, random_documents, write_indexed_dataset
 
 REPO = Path(__file__).resolve().parents[2]
-PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCH = REPO / "patches" / f"megatron-lm-{MEGATRON_LM_TAG}.patch"
 
 
 def test_patch_applies_to_megatron_lm_tree(patched_megatron_lm_tree):
