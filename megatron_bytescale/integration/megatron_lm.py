@@ -1,11 +1,14 @@
-"""The hooks a patched Megatron-LM (tag ``core_v0.16.1``) calls to train with ByteScale HDP.
+"""The hooks a patched Megatron-LM (tag ``core_v0.16.1`` or ``core_v0.19.0``) calls for HDP.
 
-``patches/megatron-lm-core_v0.16.1.patch`` adds a few calls into this module and nothing else;
-with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unchanged:
+``patches/megatron-lm-core_v0.16.1.patch`` and ``patches/megatron-lm-core_v0.19.0.patch`` add a
+few calls into this module and nothing else; with ``--bytescale-hdp`` off every hook hands back
+Megatron's own behaviour unchanged:
 
 * ``pretrain_gpt.py`` passes its dataset provider, GPT builder, forward step and extra-args
   provider through :func:`wrap_datasets_provider`, :func:`wrap_model_builder`,
-  :func:`wrap_forward_step` and :func:`chain_extra_args_provider`;
+  :func:`wrap_forward_step` and :func:`chain_extra_args_provider` (which also refuses an
+  unsupported Megatron version, at start-up); on core_v0.19, whose ``pretrain`` builds the model
+  from a config container, the container goes through :func:`wrap_config_container` too;
 * ``arguments.validate_args`` starts with :func:`check_args` (refuse what HDP cannot serve,
   naming the flag) and ends with :func:`validate_args` (turn on
   ``--calculate-per-token-loss``, fill capacity and context defaults). Both check every
@@ -33,6 +36,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
+from .compat import megatron_lm_flag_refusals
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name
 from .groups import HDPParallelLayout
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
@@ -179,6 +183,7 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
     reasons += _data_flag_refusals(args)
+    reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
     if reasons or layout is None:
         raise RefusedArguments(reasons)
     return layout

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from megatron_bytescale.integration.compat import batch_size_ramp_flags
 from megatron_bytescale.testing.megatron_lm import (
     MEGATRON_LM_TAG,
     PatchedMegatronLM,
@@ -78,7 +79,7 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
 PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                   "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
                   "--seq-length", "512", "--max-position-embeddings", "512",
-                  "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+                  "--micro-batch-size", "1", "--lr", "1e-3",
                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                   "--transformer-impl", "local", "--swiglu", "--normalization", "RMSNorm",
                   "--qk-layernorm", "--recompute-granularity", "full", "--recompute-method",
@@ -90,8 +91,11 @@ PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
                   "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                   "--no-persist-layer-norm", "--distributed-backend", "gloo", "--seed", "1234",
                   "--bytescale-hdp"]
-# Batch-size ramp-up 2 -> 4 over 4 samples: steps of 2, 2, 4, 4 samples (x 512 tokens).
-RAMPUP = ["--rampup-batch-size", "2", "2", "4", "--train-samples", "12"]
+# Batch-size ramp-up 2 -> 4 over 4 samples: steps of 2, 2, 4, 4 samples (x 512 tokens), with
+# the flags of the installed Megatron-LM (0.16.1: --global-batch-size 4 --rampup-batch-size 2 2 4;
+# 0.19: --step-batch-size-schedule "0:2 2048:4" --eval-global-batch-size 4).
+RAMPUP = [*batch_size_ramp_flags([2, 2, 4], global_batch_size=4, seq_length=512),
+          "--train-samples", "12"]
 STEP_SAMPLES = [2, 2, 4, 4]
 
 
