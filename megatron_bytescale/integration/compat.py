@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # only annotations: ``bytescale plan`` asks for the version without torch
+    import torch
 
 #: (major, minor) -> (the oldest patch release supported, the Megatron-LM tag of its patch)
 SUPPORTED_MEGATRON = {(0, 16): (1, "core_v0.16.1"), (0, 19): (0, "core_v0.19.0")}
