@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from megatron_bytescale.integration.compat import batch_size_ramp_flags
+from megatron_bytescale.integration.compat import batch_size_ramp_flags, megatron_core_version
 from megatron_bytescale.testing.megatron_lm import (
     MEGATRON_LM_TAG,
     PatchedMegatronLM,
@@ -59,13 +59,23 @@ ARGS = ("context_parallel_size", "data_parallel_size", "calculate_per_token_loss
 
 def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_lm):
     hdp = [*TINY_GPT, "--bytescale-hdp"]
-    ok, cp, pp, plain = validate_megatron_flags(patched_megatron_lm, [
+    ok, cp, pp, plain, ramp = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
         [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--num-layers-per-virtual-pipeline-stage", "1"],
         [*TINY_GPT, "--bytescale-capacity", "128"],
+        [*hdp, "--rampup-batch-size", "2", "2", "4"],
     ], ARGS, world_size=4)
+    # --rampup-batch-size: 0.16.1's loop ramps with it; 0.19's ignores it, so HDP refuses it
+    # there, naming the flag and the equivalent --step-batch-size-schedule (0:2, then 4 from
+    # 4 samples = 2,048 tokens of --seq-length 512)
+    if megatron_core_version() < (0, 17, 0):
+        assert not ramp.refused, ramp
+    else:
+        assert (ramp.error, ramp.message) == ("SystemExit", "2")
+        assert "--rampup-batch-size is ignored by Megatron-LM core_v0.19" in ramp.stderr
+        assert '--step-batch-size-schedule "0:2 2048:4"' in ramp.stderr
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
     # refusals: one report from rank 0 and exit status 2, no traceback
     assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr

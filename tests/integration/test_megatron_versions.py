@@ -98,3 +98,8 @@ def test_start_up_and_the_patch_script_refuse_an_unsupported_megatron(tmp_path, 
     assert f"is Megatron-LM {shown}; megatron_bytescale supports" in script.stderr
     assert "core_v0.16.1" in script.stderr and "core_v0.19.0" in script.stderr
     assert (tree / "pretrain_gpt.py").read_text() == ""
+
+
+def test_megatron_tests_carry_the_marker_of_the_second_lane(request):
+    """tests/conftest.py marks them at collection: `pytest -m megatron` (lane 2) selects this."""
+    assert request.node.get_closest_marker("megatron") is not None
