@@ -47,7 +47,9 @@ lane2() {  # the Megatron tests (or ARGS) on Python 3.12 / megatron-core 0.19.x
   fi
   echo "[test] lane 2: megatron tests on $py312 (megatron-core 0.19.x, core_v0.19.0)"
   ( export PYTHON="$py312" BYTESCALE_VENV="${BYTESCALE_VENV312:-$PWD/.venv312}"
-    source scripts/setup_env.sh && python -m pytest -q "${@:--m megatron}" )
+    source scripts/setup_env.sh
+    if [[ $# -eq 0 ]]; then set -- -m megatron tests; fi
+    python -m pytest -q "$@" )
 }
 
 if [[ "${BYTESCALE_LANE:-}" == "0.19" ]]; then

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--compare", action="store_true",
                      help="run every scheduler and print them side by side, with Megatron's own "
                           "hybrid CP scheduler (megatron-core 0.19+) as the megatron-hybrid-cp row")
+    out.add_argument("--megatron-hybrid-cp", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --compare, also run Megatron's own hybrid CP scheduler (default on; "
+                          "it takes minutes at 1,024 ranks: see docs/benchmarks.md)")
     out.add_argument("--json", default=None, metavar="FILE", help="write the chosen scheduler's StepPlan JSON")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="write a Gantt chart (all schedulers with --compare)")
     out.add_argument("--validate", action="store_true",
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         _progress(args, f"  {name}: {dt * 1e3:.0f} ms, estimated step {plan.estimate.step_time_s:.2f} s")
         plans[name] = plan
         rows.append(_row(name, plan, dt))
-    if args.compare:  # Megatron's own scheduler on the same batch, costed the same way
+    if args.compare and args.megatron_hybrid_cp:  # Megatron's own scheduler, costed the same way
         _megatron_hybrid_cp_row(args, lengths, cost_model, pp_size, topology, plans, rows, failed)
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
