@@ -27,8 +27,11 @@ setup(
         # torch: any importable build is kept; scripts/setup_env.sh installs the CPU wheel
         # 2.13.0 only when none is importable (plain `pip install torch` pulls a CUDA build).
         "torch>=2.4",
-        # 0.17+ declares Requires-Python>=3.12; 0.16.1 is the newest on Python 3.11.
-        "megatron-core>=0.16.1,<0.20",
+        # The supported megatron-core for each Python (integration/compat.py refuses others):
+        # 0.17+ declares Requires-Python>=3.12, so 0.16.1 is the newest on Python 3.10-3.11;
+        # Python 3.12+ gets 0.19.x (Megatron-LM core_v0.19.0).
+        'megatron-core==0.16.1; python_version < "3.12"',
+        'megatron-core>=0.19.0,<0.20; python_version >= "3.12"',
         "matplotlib>=3.7",
     ],
     extras_require={

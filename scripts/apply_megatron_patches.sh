@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# Apply megatron_bytescale's hooks to a Megatron-LM checkout at tag core_v0.16.1.
+# Apply megatron_bytescale's hooks to a Megatron-LM checkout at a supported tag.
 #
 #   bash scripts/apply_megatron_patches.sh /path/to/Megatron-LM
 #
-# Checks the checkout's version first, dry-runs the patch (`git apply --check`), then applies
-# it. Exits 0 without changes when the patch is already applied. See patches/README.md for
-# what each hunk does.
+# The patch is picked by the checkout's version (megatron/core/package_info.py):
+#   0.16.1  (tag core_v0.16.1)  -> patches/megatron-lm-core_v0.16.1.patch   (Python 3.10-3.11)
+#   0.19.x  (tag core_v0.19.0)  -> patches/megatron-lm-core_v0.19.0.patch   (Python 3.12+)
+# Any other version is refused with that list. Then it dry-runs the patch (`git apply --check`)
+# and applies it. Exits 0 without changes when the patch is already applied. See
+# patches/README.md for what each hunk does.
 set -euo pipefail
 
-TAG="core_v0.16.1"
-VERSION="0.16.1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PATCH="$HERE/patches/megatron-lm-${TAG}.patch"
+SUPPORTED="0.16.1 (Megatron-LM tag core_v0.16.1), 0.19.x (Megatron-LM tag core_v0.19.0)"
 
 die() { echo "error: $*" >&2; exit 1; }
 
 [[ $# -eq 1 ]] || die "usage: bash scripts/apply_megatron_patches.sh /path/to/Megatron-LM"
 command -v git >/dev/null || die "git is needed (the patch is applied with 'git apply')"
-[[ -f "$PATCH" ]] || die "patch file not found: $PATCH"
 MLM="$(cd "$1" 2>/dev/null && pwd)" || die "no such directory: $1"
 [[ -f "$MLM/pretrain_gpt.py" && -f "$MLM/megatron/training/training.py" ]] \
     || die "$MLM does not look like a Megatron-LM checkout (no pretrain_gpt.py or megatron/training/training.py)"
 
-# --- version: megatron/core/package_info.py must say 0.16.1 --------------------------------
+# --- version: megatron/core/package_info.py picks the patch -------------------------------
 INFO="$MLM/megatron/core/package_info.py"
 [[ -f "$INFO" ]] || die "$INFO is missing; is this a Megatron-LM checkout?"
 found="$(sed -n 's/^MAJOR = \([0-9]*\)$/\1/p; s/^MINOR = \([0-9]*\)$/\1/p; s/^PATCH = \([0-9]*\)$/\1/p' "$INFO" | paste -sd. -)"
-if [[ "$found" != "$VERSION" ]]; then
-    die "$MLM is Megatron-LM $found, the patch is for tag $TAG ($VERSION).
-       Check out the tag first:  git -C $MLM fetch --tags && git -C $MLM checkout $TAG"
-fi
+case "$found" in
+    0.16.1) TAG="core_v0.16.1" ;;
+    0.19.*) TAG="core_v0.19.0" ;;  # the tag's package_info reads 0.19.1; any 0.19.x takes it
+    *) die "$MLM is Megatron-LM ${found:-of unknown version}; megatron_bytescale supports $SUPPORTED.
+       Check out a supported tag first, e.g.:  git -C $MLM fetch --tags && git -C $MLM checkout core_v0.19.0" ;;
+esac
+PATCH="$HERE/patches/megatron-lm-${TAG}.patch"
+[[ -f "$PATCH" ]] || die "patch file not found: $PATCH"
 if git -C "$MLM" rev-parse --git-dir >/dev/null 2>&1; then
     if git -C "$MLM" rev-parse -q --verify "refs/tags/$TAG" >/dev/null; then
         if git -C "$MLM" merge-base --is-ancestor "$TAG" HEAD; then
@@ -46,6 +50,7 @@ if git -C "$MLM" rev-parse --git-dir >/dev/null 2>&1; then
 else
     echo "Megatron-LM source tree: $MLM (package_info $found; not a git checkout)"
 fi
+echo "Patch for Megatron-LM $found: $(basename "$PATCH")"
 
 # --- already applied? ------------------------------------------------------------------------
 cd "$MLM"

@@ -1,8 +1,72 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: sets up ./.venv, then runs pytest.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/planner -x`).
+# The test suite on a fresh machine, as CI runs it: two lanes, each in a venv of its own.
+#
+#   bash scripts/test.sh            both lanes (what .ci/run runs):
+#     1. the whole suite on $PYTHON (default python3; on 3.10-3.11 that is megatron-core 0.16.1
+#        and the Megatron-LM core_v0.16.1 tree), in ./.venv;
+#     2. every test marked `megatron` (all that import megatron, the Megatron-LM patch tests
+#        included; see megatron_bytescale/testing/lanes.py) on Python 3.12 with megatron-core
+#        0.19.x and the core_v0.19.0 tree, in ./.venv312 (the first run downloads ~3 GB).
+#   bash scripts/test.sh ARGS...    lane 1 only, ARGS to pytest (e.g. tests/planner -x)
+#   BYTESCALE_LANE=0.19 bash scripts/test.sh [ARGS...]   lane 2 only (default: -m megatron)
+#
+# Python 3.12 is $PYTHON312, else python3.12 on PATH, else pyenv's newest 3.12.x. Without one,
+# lane 2 is skipped with a message, or fails where BYTESCALE_REQUIRE_MEGATRON_LM=1 (CI).
+# When $PYTHON is itself 3.12+, lane 1 already runs everything on 0.19.x and lane 2 is skipped.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/setup_env.sh
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning}"
-exec python -m pytest -q "${@:-tests}"
+
+find_python312() {  # the first candidate that really is a Python 3.12 (pyenv shims may not run)
+  local root cand
+  root="$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")"
+  for cand in ${PYTHON312:+"$PYTHON312"} "$(command -v python3.12 || true)" \
+              $(ls -d "$root"/versions/3.12.*/bin/python3.12 2>/dev/null | sort -rV); do
+    if [[ -n "$cand" ]] && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' \
+        >/dev/null 2>&1; then
+      echo "$cand"
+      return 0
+    fi
+  done
+  return 1
+}
+
+lane1() {  # the whole suite (or ARGS) on $PYTHON
+  ( source scripts/setup_env.sh && python -m pytest -q "${@:-tests}" )
+}
+
+lane2() {  # the Megatron tests (or ARGS) on Python 3.12 / megatron-core 0.19.x
+  local py312
+  if ! py312="$(find_python312)"; then
+    if [[ "${BYTESCALE_REQUIRE_MEGATRON_LM:-0}" == 1 ]]; then
+      echo "[test] no Python 3.12 for the megatron-core 0.19 lane (set PYTHON312)" >&2
+      return 1
+    fi
+    echo "[test] megatron-core 0.19 lane skipped: no Python 3.12 found (set PYTHON312)"
+    return 0
+  fi
+  echo "[test] lane 2: megatron tests on $py312 (megatron-core 0.19.x, core_v0.19.0)"
+  ( export PYTHON="$py312" BYTESCALE_VENV="${BYTESCALE_VENV312:-$PWD/.venv312}"
+    source scripts/setup_env.sh
+    if [[ $# -eq 0 ]]; then set -- -m megatron tests; fi
+    python -m pytest -q "$@" )
+}
+
+if [[ "${BYTESCALE_LANE:-}" == "0.19" ]]; then
+  lane2 "$@"
+  exit
+fi
+if [[ $# -gt 0 ]]; then
+  lane1 "$@"
+  exit
+fi
+boot="$("${PYTHON:-python3}" -c 'import sys; print(int(sys.version_info >= (3, 12)))')"
+echo "[test] lane 1: the whole suite on ${PYTHON:-python3}"
+status=0
+lane1 tests || status=$?
+if [[ "$boot" == 1 ]]; then
+  echo "[test] lane 2 skipped: ${PYTHON:-python3} is Python 3.12+, lane 1 ran everything on megatron-core 0.19.x"
+else
+  lane2 tests -m megatron || status=$?
+fi
+exit "$status"

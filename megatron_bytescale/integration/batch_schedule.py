@@ -2,8 +2,11 @@
 
 Megatron's loop calls ``update_num_microbatches(consumed_train_samples)`` before every step
 and then adds the step's global batch size to ``consumed_train_samples``; with
-``--rampup-batch-size START INCREMENT SAMPLES`` the size grows from START by INCREMENT every
-``SAMPLES / ((GLOBAL - START) / INCREMENT)`` consumed samples up to ``--global-batch-size``.
+``--rampup-batch-size START INCREMENT SAMPLES`` (Megatron-LM 0.16.1) the size grows from START by
+INCREMENT every ``SAMPLES / ((GLOBAL - START) / INCREMENT)`` consumed samples up to
+``--global-batch-size``; Megatron-LM 0.19 ignores that flag and steps the size with
+``--step-batch-size-schedule`` instead (``compat.megatron_batch_size_calculator`` builds the
+calculator the installed Megatron uses).
 An HDP global batch is a *token budget* (``global batch size x --seq-length``), so the data
 iterator must know the size of every step before Megatron's loop reaches it: it plans ahead.
 :class:`GlobalBatchSchedule` replays megatron-core's own calculator from sample 0 (same
@@ -24,39 +27,37 @@ class GlobalBatchSchedule:
     def __init__(self, *, global_batch_size: int, micro_batch_size: int = 1,
                  data_parallel_size: int = 1,
                  rampup_batch_size: Optional[Sequence[int]] = None,
-                 decrease_batch_size_if_needed: bool = False) -> None:
-        from megatron.core.num_microbatches_calculator import (
-            ConstantNumMicroBatchesCalculator,
-            RampupBatchsizeNumMicroBatchesCalculator,
-        )
+                 decrease_batch_size_if_needed: bool = False,
+                 step_batch_size_schedule: Optional[str] = None,
+                 seq_length: Optional[int] = None) -> None:
+        from .compat import megatron_batch_size_calculator
 
-        common = dict(global_batch_size=int(global_batch_size),
-                      micro_batch_size=int(micro_batch_size),
-                      data_parallel_size=int(data_parallel_size),
-                      decrease_batch_size_if_needed=bool(decrease_batch_size_if_needed),
-                      rank=-1)  # rank -1: the calculator logs nothing (Megatron's own one does)
         self.global_batch_size = int(global_batch_size)
         self.rampup = tuple(int(x) for x in rampup_batch_size) if rampup_batch_size else None
-        if self.rampup is None:
-            self._calculator: Any = ConstantNumMicroBatchesCalculator(**common)
-        else:
-            start, increment, samples = self.rampup
-            self._calculator = RampupBatchsizeNumMicroBatchesCalculator(
-                **common, start_global_batch_size=start, batch_size_increment=increment,
-                ramup_samples=samples,
-            )  # fmt: skip
+        self.step_schedule = step_batch_size_schedule
+        # 0.16.1: --rampup-batch-size; 0.19: --step-batch-size-schedule (compat knows which)
+        self._calculator: Any = megatron_batch_size_calculator(
+            global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size,
+            data_parallel_size=data_parallel_size,
+            decrease_batch_size_if_needed=decrease_batch_size_if_needed,
+            rampup_batch_size=self.rampup, step_batch_size_schedule=step_batch_size_schedule,
+            seq_length=seq_length,
+        )  # fmt: skip
         self._sizes: list[int] = []
         self._consumed: list[int] = [0]  # samples consumed before step i
 
     @classmethod
     def from_args(cls, args: Any, data_parallel_size: int) -> "GlobalBatchSchedule":
-        """The schedule of Megatron's ``args`` (``--global-batch-size``, ``--rampup-batch-size``)."""
+        """The schedule of Megatron's ``args`` (``--global-batch-size``, ``--rampup-batch-size``
+        on 0.16.1, ``--step-batch-size-schedule`` on 0.19)."""
         return cls(global_batch_size=args.global_batch_size,
                    micro_batch_size=args.micro_batch_size,
                    data_parallel_size=data_parallel_size,
                    rampup_batch_size=getattr(args, "rampup_batch_size", None),
                    decrease_batch_size_if_needed=bool(
-                       getattr(args, "decrease_batch_size_if_needed", False)))
+                       getattr(args, "decrease_batch_size_if_needed", False)),
+                   step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
+                   seq_length=getattr(args, "seq_length", None))
 
     def _extend(self, steps: int) -> None:
         while len(self._sizes) < steps:
@@ -91,6 +92,7 @@ class GlobalBatchSchedule:
                 f"the checkpoint consumed {consumed_samples} training samples, which is not the "
                 f"end of a step of --global-batch-size {self.global_batch_size}"
                 f"{' with --rampup-batch-size ' + ' '.join(map(str, self.rampup)) if self.rampup else ''}"
+                f"{' with --step-batch-size-schedule ' + repr(self.step_schedule) if self.step_schedule else ''}"
                 f" (steps end at {self.consumed_before(step - 1)} and "
                 f"{self.consumed_before(step)}); resume with the batch-size flags of the run "
                 "that wrote the checkpoint"

@@ -1,24 +1,97 @@
-"""The one place that knows how megatron-core's signatures differ between versions (D9).
+"""The one place that knows how megatron-core and Megatron-LM differ between versions (D9).
 
-The plugin targets megatron-core 0.16.1 (what installs on Python 3.11); later releases
-dropped ``model_type`` from ``schedules.backward_step``. Callers use the wrappers here, never
-version checks of their own.
+Supported: megatron-core / Megatron-LM **0.16.1** (tag ``core_v0.16.1``; Python 3.10-3.11, the
+newest release that installs there) and **0.19.x** (tag ``core_v0.19.0``; Python 3.12+). The
+version is read from ``megatron.core.package_info`` (for a Megatron-LM checkout on
+``PYTHONPATH`` that is the checkout's own ``megatron/core``), never guessed from which imports
+work. Anything else is refused at start-up by :func:`require_supported_megatron`, with the list.
+
+What differs, and who asks here (callers never check versions themselves):
+
+* ``schedules.backward_step`` lost its ``model_type`` argument after 0.16
+  (:func:`megatron_backward_step`);
+* Megatron-LM's ``pretrain_gpt.py`` builds the model from a config container
+  (``gpt_config_from_args``) in 0.19, from ``model_provider`` in 0.16.1: the patch for each tag
+  hands the plugin's builder over its own way (:func:`megatron_lm_patch_tag` names the patch);
+* megatron-core 0.19 ships its own dynamic ("hybrid") context-parallel scheduler, the baseline
+  row of ``bytescale plan --compare`` (:func:`has_megatron_hybrid_cp_scheduler`).
 """
 
 from __future__ import annotations
 
-import inspect
+import math
+import re
 from functools import lru_cache
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # only annotations: ``bytescale plan`` asks for the version without torch
+    import torch
+
+#: (major, minor) -> (the oldest patch release supported, the Megatron-LM tag of its patch)
+SUPPORTED_MEGATRON = {(0, 16): (1, "core_v0.16.1"), (0, 19): (0, "core_v0.19.0")}
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """megatron-core / Megatron-LM at a version the plugin was not built and tested for."""
+
+
+def supported_megatron_versions() -> str:
+    """The supported versions as users read them: ``0.16.1 (core_v0.16.1), 0.19.x (...)``."""
+    parts = []
+    for (major, minor), (patch, tag) in sorted(SUPPORTED_MEGATRON.items()):
+        shown = f"{major}.{minor}.{patch}" if (major, minor) == (0, 16) else f"{major}.{minor}.x"
+        parts.append(f"{shown} (Megatron-LM {tag})")
+    return ", ".join(parts)
+
+
+def parse_megatron_version(text: str) -> tuple[int, int, int]:
+    """``"0.19.1rc0"`` -> ``(0, 19, 1)``; a string that is not ``MAJOR.MINOR.PATCH...`` raises."""
+    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", str(text))
+    if match is None:
+        raise UnsupportedMegatronVersion(
+            f"cannot read the megatron-core version {text!r} (megatron.core.package_info); "
+            f"megatron_bytescale supports {supported_megatron_versions()}"
+        )
+    return int(match[1]), int(match[2]), int(match[3])
 
 
 @lru_cache(maxsize=1)
-def _backward_step_takes_model_type() -> bool:
-    from megatron.core.pipeline_parallel import schedules
+def megatron_core_version() -> tuple[int, int, int]:
+    """The version of the ``megatron.core`` that imports here, from its ``package_info``."""
+    from megatron.core import package_info
 
-    return "model_type" in inspect.signature(schedules.backward_step).parameters
+    return parse_megatron_version(package_info.__version__)
+
+
+def require_supported_megatron(version: Optional[tuple[int, int, int]] = None
+                               ) -> tuple[int, int, int]:
+    """``version`` (default: the installed one) if supported, else a one-line refusal.
+
+    Raises :class:`UnsupportedMegatronVersion` naming the version found, the supported list and
+    what to do.
+    """
+    found = megatron_core_version() if version is None else tuple(version)
+    entry = SUPPORTED_MEGATRON.get(tuple(found[:2]))
+    if entry is None or found[2] < entry[0]:
+        shown = ".".join(map(str, found))
+        raise UnsupportedMegatronVersion(
+            f"megatron-core / Megatron-LM {shown} is not supported; megatron_bytescale supports "
+            f"{supported_megatron_versions()}. Install a supported megatron-core "
+            "(scripts/setup_env.sh picks the one for your Python) or check out a supported "
+            "Megatron-LM tag"
+        )
+    return found  # type: ignore[return-value]
+
+
+def megatron_lm_patch_tag(version: Optional[tuple[int, int, int]] = None) -> str:
+    """The Megatron-LM tag whose patch fits ``version`` (default: the installed megatron-core)."""
+    found = require_supported_megatron(version)
+    return SUPPORTED_MEGATRON[tuple(found[:2])][1]
+
+
+def is_megatron_019(version: Optional[tuple[int, int, int]] = None) -> bool:
+    """True on megatron-core 0.19.x (the config-container ``pretrain``, hybrid CP scheduler)."""
+    return tuple(require_supported_megatron(version)[:2]) >= (0, 19)
 
 
 def megatron_backward_step(
@@ -38,7 +111,7 @@ def megatron_backward_step(
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.utils import get_model_type
 
-    if _backward_step_takes_model_type():
+    if megatron_core_version() < (0, 17, 0):  # 0.16.1: (..., model_type, config)
         return schedules.backward_step(
             input_tensor, output_tensor, output_tensor_grad, get_model_type(model), config
         )
@@ -78,3 +151,128 @@ def megatron_forward_step(
         current_microbatch=current_microbatch,
         is_last_stage=is_last_stage,
     )
+
+
+def has_megatron_hybrid_cp_scheduler() -> bool:
+    """True where megatron-core ships its hybrid CP scheduler (0.19.x; not 0.16.1)."""
+    return megatron_core_version() >= (0, 19, 0)
+
+
+# ----------------------------------------------------------------------------- batch sizes
+# Megatron-LM 0.16.1 grows the global batch with --rampup-batch-size START INCREMENT SAMPLES;
+# 0.19 still parses that flag but ignores it (deprecated) and ramps with
+# --step-batch-size-schedule "THRESHOLD:SIZE ..." (thresholds in tokens), which must not be
+# combined with --global-batch-size.
+
+
+def megatron_batch_size_calculator(*, global_batch_size: int, micro_batch_size: int,
+                                   data_parallel_size: int,
+                                   decrease_batch_size_if_needed: bool = False,
+                                   rampup_batch_size: Optional[Any] = None,
+                                   step_batch_size_schedule: Optional[str] = None,
+                                   seq_length: Optional[int] = None) -> Any:
+    """megatron-core's own calculator of the global batch size, as Megatron-LM's loop builds it.
+
+    Raises ValueError for a flag this Megatron-LM does not act on (the message names it and
+    what to use instead), so that HDP never plans batches the loop will not count.
+    """
+    from megatron.core import num_microbatches_calculator as calculators
+
+    common = dict(micro_batch_size=int(micro_batch_size),
+                  data_parallel_size=int(data_parallel_size),
+                  decrease_batch_size_if_needed=bool(decrease_batch_size_if_needed),
+                  rank=-1)  # rank -1: logs nothing (Megatron's own calculator does)
+    if megatron_core_version() < (0, 17, 0):
+        if step_batch_size_schedule is not None:
+            raise ValueError("--step-batch-size-schedule needs Megatron-LM core_v0.19; on "
+                             "core_v0.16.1 ramp the batch with --rampup-batch-size")
+        if rampup_batch_size:
+            start, increment, samples = (int(x) for x in rampup_batch_size)
+            return calculators.RampupBatchsizeNumMicroBatchesCalculator(
+                global_batch_size=int(global_batch_size), start_global_batch_size=start,
+                batch_size_increment=increment, ramup_samples=samples, **common,
+            )  # fmt: skip
+        return calculators.ConstantNumMicroBatchesCalculator(
+            global_batch_size=int(global_batch_size), **common)
+    if rampup_batch_size:
+        raise ValueError(
+            "--rampup-batch-size is ignored by Megatron-LM core_v0.19 (deprecated: its loop keeps "
+            "the batch size constant), so HDP cannot follow it; ramp up with "
+            "--step-batch-size-schedule instead (without --global-batch-size), e.g. "
+            f"--step-batch-size-schedule \"{rampup_as_step_schedule(rampup_batch_size, global_batch_size, seq_length)}\""
+        )
+    if step_batch_size_schedule is not None:
+        return calculators.StepBatchsizeNumMicroBatchesCalculator(
+            schedule=str(step_batch_size_schedule),
+            seq_length=int(seq_length) if seq_length else None, **common,
+        )  # fmt: skip
+    return calculators.ConstantNumMicroBatchesCalculator(
+        global_batch_size=int(global_batch_size), **common)
+
+
+def rampup_as_step_schedule(rampup_batch_size: Any, global_batch_size: int,
+                            seq_length: Optional[int]) -> str:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as 0.19's ``--step-batch-size-schedule``.
+
+    0.16.1 adds INCREMENT every ``SAMPLES / ((GLOBAL - START) / INCREMENT)`` consumed samples;
+    the schedule lists the same steps, thresholds in tokens (``seq_length`` per sample) as
+    Megatron-LM 0.19 reads them when it knows ``--seq-length`` (always, for GPT), else samples.
+    """
+    start, increment, samples = (int(x) for x in rampup_batch_size)
+    steps = (int(global_batch_size) - start) // increment
+    per_step = samples / steps if steps else 0
+    scale = int(seq_length) if seq_length else 1
+    entries = [(0, start)]
+    for k in range(1, steps + 1):  # 0.16.1: size k from the first count >= k x per_step
+        entries.append((math.ceil(k * per_step - 1e-9) * scale, start + k * increment))
+    return " ".join(f"{threshold}:{size}" for threshold, size in entries)
+
+
+def batch_size_ramp_settings(rampup_batch_size: Any, *, global_batch_size: int,
+                             seq_length: Optional[int] = None) -> dict[str, Any]:
+    """This ramp-up as keyword arguments of ``GlobalBatchSchedule`` (and of megatron-core's
+    ``init_num_microbatches_calculator``) on the installed version: ``rampup_batch_size`` on
+    0.16.1; on 0.19 the equivalent ``step_batch_size_schedule`` (thresholds in tokens when
+    ``seq_length`` is given, else in samples) and ``seq_length``."""
+    if megatron_core_version() < (0, 17, 0):
+        return {"rampup_batch_size": [int(x) for x in rampup_batch_size]}
+    return {"step_batch_size_schedule": rampup_as_step_schedule(
+        rampup_batch_size, global_batch_size, seq_length), "seq_length": seq_length}
+
+
+def batch_size_ramp_flags(rampup_batch_size: Any, *, global_batch_size: int,
+                          seq_length: int) -> list[str]:
+    """The Megatron-LM flags for this ramp-up on the installed version (docs, tests, launchers):
+    ``--global-batch-size G --rampup-batch-size ...`` on 0.16.1; on 0.19 the equivalent
+    ``--step-batch-size-schedule`` (which must not be given ``--global-batch-size``) and
+    ``--eval-global-batch-size G``, so that evaluation batches stay G samples as on 0.16.1."""
+    settings = batch_size_ramp_settings(rampup_batch_size, global_batch_size=global_batch_size,
+                                        seq_length=seq_length)
+    if "rampup_batch_size" in settings:
+        return ["--global-batch-size", str(int(global_batch_size)), "--rampup-batch-size",
+                *(str(x) for x in settings["rampup_batch_size"])]
+    return ["--step-batch-size-schedule", settings["step_batch_size_schedule"],
+            "--eval-global-batch-size", str(int(global_batch_size))]
+
+
+def evaluation_global_batch_size(args: Any) -> int:
+    """Samples per evaluation step: ``--eval-global-batch-size`` on 0.19 (it defaults to the
+    global batch size there), ``--global-batch-size`` on 0.16.1 (no such flag)."""
+    if megatron_core_version() >= (0, 17, 0) and getattr(args, "eval_global_batch_size", None):
+        return int(args.eval_global_batch_size)
+    return int(args.global_batch_size)
+
+
+def megatron_lm_flag_refusals(args: Any) -> list[str]:
+    """What ``--bytescale-hdp`` refuses on this Megatron-LM only (each names its flag)."""
+    reasons: list[str] = []
+    if megatron_core_version() >= (0, 17, 0) and getattr(args, "rampup_batch_size", None):
+        try:
+            megatron_batch_size_calculator(
+                global_batch_size=int(getattr(args, "global_batch_size", None) or 1),
+                micro_batch_size=1, data_parallel_size=1,
+                rampup_batch_size=args.rampup_batch_size,
+                seq_length=getattr(args, "seq_length", None))
+        except ValueError as exc:
+            reasons.append(str(exc))
+    return reasons

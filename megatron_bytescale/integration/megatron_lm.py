@@ -1,13 +1,15 @@
-"""The hooks a patched Megatron-LM (tag ``core_v0.16.1``) calls to train with ByteScale HDP.
+"""The hooks a patched Megatron-LM (tag ``core_v0.16.1`` or ``core_v0.19.0``) calls for HDP.
 
-``patches/megatron-lm-core_v0.16.1.patch`` adds a few calls into this module and nothing else;
-with ``--bytescale-hdp`` off every hook hands back Megatron's own behaviour unchanged (and
-:func:`check_args` refuses other ``--bytescale-*`` flags given without it, which would be
-ignored):
+``patches/megatron-lm-core_v0.16.1.patch`` and ``patches/megatron-lm-core_v0.19.0.patch`` add a
+few calls into this module and nothing else; with ``--bytescale-hdp`` off every hook hands back
+Megatron's own behaviour unchanged (and :func:`check_args` refuses other ``--bytescale-*`` flags
+given without it, which would be ignored):
 
 * ``pretrain_gpt.py`` passes its dataset provider, GPT builder, forward step and extra-args
   provider through :func:`wrap_datasets_provider`, :func:`wrap_model_builder`,
-  :func:`wrap_forward_step` and :func:`chain_extra_args_provider`;
+  :func:`wrap_forward_step` and :func:`chain_extra_args_provider` (which also refuses an
+  unsupported Megatron version, at start-up); on core_v0.19, whose ``pretrain`` builds the model
+  from a config container, the container goes through :func:`wrap_config_container` too;
 * ``arguments.validate_args`` starts with :func:`check_args` (refuse what HDP cannot serve,
   naming the flag) and ends with :func:`validate_args` (turn on
   ``--calculate-per-token-loss``, fill capacity and context defaults). Both check every
@@ -35,6 +37,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
+from .compat import megatron_lm_flag_refusals
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name, given_flags
 from .groups import HDPParallelLayout
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
@@ -51,6 +54,7 @@ __all__ = [
     "hdp_forward_backward",
     "hdp_refusals",
     "validate_args",
+    "wrap_config_container",
     "wrap_datasets_provider",
     "wrap_forward_step",
     "wrap_model_builder",
@@ -112,11 +116,24 @@ def chain_extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvi
     """An ``extra_args_provider`` that runs ``other`` (e.g. ModelOpt's) and then adds ours."""
 
     def provider(parser: Any) -> Any:
+        _refuse_unsupported_megatron()  # the first hook pretrain_gpt.py calls: start-up
         if other is not None:
             parser = other(parser)
         return add_bytescale_args(parser)
 
     return provider
+
+
+def _refuse_unsupported_megatron() -> None:
+    """Exit with status 2 and one line naming the supported versions on an unsupported Megatron."""
+    from .compat import UnsupportedMegatronVersion, require_supported_megatron
+
+    try:
+        require_supported_megatron()
+    except UnsupportedMegatronVersion as exc:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"megatron_bytescale: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def check_args(args: Any) -> Optional[HDPParallelLayout]:
@@ -196,6 +213,7 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
     reasons += _data_flag_refusals(args)
+    reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
     if reasons or layout is None:
         raise RefusedArguments(reasons)
     return layout
@@ -345,6 +363,24 @@ def wrap_model_builder(megatron_builder: Callable[..., Any]) -> Callable[..., An
                      pg_collection=pg_collection)
 
     return builder
+
+
+def wrap_config_container(container: Any) -> Any:
+    """Megatron-LM 0.19's ``PretrainConfigContainer`` for ``pretrain``: model left to us with HDP.
+
+    From core_v0.19 ``pretrain_gpt.py`` builds the model from ``container.model`` (a GPT model
+    config) and uses ``model_provider`` only when that is None. With ``--bytescale-hdp`` a copy
+    without the model config is returned, so ``pretrain`` calls the ``model_provider`` the patch
+    passes (:func:`wrap_model_builder`: the ByteScale GPT); otherwise ``container`` as is.
+    """
+    args_ = megatron_args()
+    if args_ is None or not getattr(args_, "bytescale_hdp", False):
+        return container
+    import copy
+
+    hdp_container = copy.copy(container)
+    hdp_container.model = None
+    return hdp_container
 
 
 def build_hdp_gpt_model(args: Any, pre_process: bool = True, post_process: bool = True,

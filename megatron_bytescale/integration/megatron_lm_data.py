@@ -39,6 +39,7 @@ from megatron_bytescale.data.document_order import DocumentVisit, document_visit
 from megatron_bytescale.data.hdp_iterator import GlobalBatch
 
 from .batch_schedule import GlobalBatchSchedule
+from .compat import evaluation_global_batch_size
 from .config import ByteScaleConfig
 
 logger = logging.getLogger(__name__)
@@ -340,7 +341,8 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
     planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model,
                                 topology=topology, pp_size=manager.pp_size)
     seq_length = int(args.seq_length)
-    tokens_per_batch = int(args.global_batch_size) * seq_length
+    eval_batch_size = evaluation_global_batch_size(args)  # --eval-global-batch-size on 0.19
+    tokens_per_batch = eval_batch_size * seq_length
     schedule = GlobalBatchSchedule.from_args(args, data_parallel_size=manager.size)
     device = (torch.device("cuda", torch.cuda.current_device())
               if torch.cuda.is_available() else None)
@@ -348,7 +350,7 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
     budgets = (lambda step: schedule.samples(step) * seq_length, tokens_per_batch,
                tokens_per_batch)
     skips = (schedule.steps_done(getattr(args, "consumed_train_samples", 0) or 0),
-             (getattr(args, "consumed_valid_samples", 0) or 0) // int(args.global_batch_size), 0)
+             (getattr(args, "consumed_valid_samples", 0) or 0) // eval_batch_size, 0)
     weights = blend_weights(args)
     iterators = []
     for split_index in range(3):

@@ -1,9 +1,11 @@
 """A patched, throw-away Megatron-LM tree for tests, and its ``pretrain_gpt.py`` on CPU ranks.
 
-The project's patch (``patches/megatron-lm-core_v0.16.1.patch``) is tested against a real
-Megatron-LM tree at tag ``core_v0.16.1``: ``$MEGATRON_LM_DIR`` when set, otherwise the
-unmodified tree that ships beside the repository in ``shared/megatron-lm/core_v0.16.1`` (CI
-lays ``shared/`` next to its clone). That tree is never edited: :func:`prepare_patched_megatron_lm`
+The project's patch for the installed megatron-core (:data:`MEGATRON_LM_TAG`: ``core_v0.16.1``
+with megatron-core 0.16.1 on Python 3.10-3.11, ``core_v0.19.0`` with 0.19.x on Python 3.12+;
+``integration.compat`` decides) is tested against a real Megatron-LM tree at that tag:
+``$MEGATRON_LM_DIR`` when set, otherwise the unmodified tree that ships beside the repository in
+``shared/megatron-lm/<tag>`` (CI lays ``shared/`` next to its clone). That tree is never edited:
+:func:`prepare_patched_megatron_lm`
 copies it to a temporary folder (or adds a git worktree at the tag, for a git checkout) and
 applies the patch there with ``scripts/apply_megatron_patches.sh``, exactly as a user would.
 
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..integration.compat import megatron_lm_patch_tag
+
 __all__ = [
     "MEGATRON_LM_TAG",
     "MegatronLMRun",
@@ -46,8 +50,8 @@ __all__ = [
     "validate_megatron_flags",
 ]
 
-#: The Megatron-LM tag the patch targets.
-MEGATRON_LM_TAG = "core_v0.16.1"
+#: The Megatron-LM tag whose tree and patch fit the installed megatron-core (0.16.1 or 0.19.x).
+MEGATRON_LM_TAG = megatron_lm_patch_tag()
 #: Where the unmodified tree lies relative to an ancestor of the repository.
 SHARED_TREE = Path("shared") / "megatron-lm" / MEGATRON_LM_TAG
 #: Set to 1 to turn "no Megatron-LM tree / package missing" from a skip into a failure (CI).
@@ -69,7 +73,7 @@ def find_megatron_lm_source(start: Optional[Path] = None) -> Optional[Path]:
     """The Megatron-LM tree to test against, or None if there is none.
 
     ``$MEGATRON_LM_DIR`` if set (it must hold ``pretrain_gpt.py``); otherwise the nearest
-    ``shared/megatron-lm/core_v0.16.1`` found in ``start`` (default: the repository root) or
+    ``shared/megatron-lm/<MEGATRON_LM_TAG>`` found in ``start`` (default: the repository root) or
     one of its ancestors, so a clone with ``shared/`` beside it and a worktree below the
     folder that holds ``shared/`` both find it.
     """

@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduling_arguments(sched)
 
     out = p.add_argument_group("output")
-    out.add_argument("--compare", action="store_true", help="run every scheduler and print them side by side")
+    out.add_argument("--compare", action="store_true",
+                     help="run every scheduler and print them side by side, with Megatron's own "
+                          "hybrid CP scheduler (megatron-core 0.19+) as the megatron-hybrid-cp row")
+    out.add_argument("--megatron-hybrid-cp", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --compare, also run Megatron's own hybrid CP scheduler (default on; "
+                          "it takes minutes at 1,024 ranks: see docs/benchmarks.md)")
     out.add_argument("--json", default=None, metavar="FILE", help="write the chosen scheduler's StepPlan JSON")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="write a Gantt chart (all schedulers with --compare)")
     out.add_argument("--validate", action="store_true",
@@ -144,6 +149,42 @@ def _report_overlong(plan: Any) -> None:
               f"{meta.get('truncated_tokens', 0):,} tokens cut (ids {[x['id'] for x in t][:10]})")
 
 
+# --------------------------------------------------------------------------- Megatron's row
+MEGATRON_ROW = "megatron-hybrid-cp"
+
+
+def _megatron_hybrid_cp_row(args: argparse.Namespace, lengths: Any, cost_model: Any, pp_size: int,
+                            topology: Any, plans: dict[str, Any], rows: list[dict[str, Any]],
+                            failed: dict[str, str]) -> None:
+    """The "Megatron hybrid CP" row: megatron-core 0.19's own scheduler (``--hybrid-context-
+    parallel``) run on the same batch, or why it cannot run here."""
+    from ..integration.megatron_hybrid_cp import (
+        megatron_hybrid_cp_unavailable,
+        plan_megatron_hybrid_cp,
+    )
+
+    why = megatron_hybrid_cp_unavailable()
+    if why is None and pp_size > 1:
+        why = f"Megatron's hybrid CP does not support pipeline parallelism (PP {pp_size})"
+    if why is not None:
+        failed[MEGATRON_ROW] = why
+        return
+    _progress(args, f"planning with Megatron's hybrid CP scheduler on {args.hdp_size:,} ranks ...")
+    t0 = time.perf_counter()
+    try:
+        plan = plan_megatron_hybrid_cp(lengths, hdp_size=args.hdp_size, capacity=args.capacity,
+                                       cost_model=cost_model, align=args.align, topology=topology,
+                                       context_length=args.context_length)
+    except ValueError as exc:
+        failed[MEGATRON_ROW] = str(exc)
+        return
+    dt = time.perf_counter() - t0
+    _progress(args, f"  {MEGATRON_ROW}: {dt * 1e3:.0f} ms, estimated step "
+                    f"{plan.estimate.step_time_s:.2f} s")
+    plans[MEGATRON_ROW] = plan
+    rows.append(_row(MEGATRON_ROW, plan, dt))
+
+
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
     from ..planner.schedulers import make_plan
@@ -175,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         _progress(args, f"  {name}: {dt * 1e3:.0f} ms, estimated step {plan.estimate.step_time_s:.2f} s")
         plans[name] = plan
         rows.append(_row(name, plan, dt))
+    if args.compare and args.megatron_hybrid_cp:  # Megatron's own scheduler, costed the same way
+        _megatron_hybrid_cp_row(args, lengths, cost_model, pp_size, topology, plans, rows, failed)
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
           f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
@@ -202,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         from .gantt import plot_gantt
 
         _progress(args, "plotting ...")
-        panels = [(n, plans[n]) for n in SCHEDULER_ORDER if n in plans]
+        panels = [(n, plans[n]) for n in (*SCHEDULER_ORDER, MEGATRON_ROW) if n in plans]
         written = plot_gantt(panels, cost_model, args.plot)
         print(f"wrote Gantt chart to {written}")
     return status

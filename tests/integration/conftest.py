@@ -1,8 +1,9 @@
 """Fixtures shared by the integration tests.
 
 ``patched_megatron_lm`` (session scope: the copy and patch happen once per test run) is a
-patched throw-away copy of the Megatron-LM tree at tag core_v0.16.1: ``$MEGATRON_LM_DIR``, or
-by default the unmodified tree in ``shared/megatron-lm/core_v0.16.1`` beside the repository.
+patched throw-away copy of the Megatron-LM tree at the tag that fits the installed megatron-core
+(``MEGATRON_LM_TAG``: core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x): ``$MEGATRON_LM_DIR``,
+or by default the unmodified tree in ``shared/megatron-lm/<tag>`` beside the repository.
 Use it with :func:`megatron_bytescale.testing.megatron_lm.run_pretrain_gpt`. Without a tree,
 or without the packages ``megatron.training`` needs, the tests that use it skip with the
 reason; with ``BYTESCALE_REQUIRE_MEGATRON_LM=1`` (set by ``.ci/run``) they fail instead, so
@@ -16,6 +17,7 @@ import os
 import pytest
 
 from megatron_bytescale.testing.megatron_lm import (
+    MEGATRON_LM_TAG,
     REQUIRE_ENV,
     PatchedMegatronLM,
     find_megatron_lm_source,
@@ -36,8 +38,9 @@ def patched_megatron_lm_tree(tmp_path_factory):
     """The patched copy, whether or not its ``megatron.training`` imports (patch tests)."""
     source = find_megatron_lm_source()
     if source is None:
-        _unavailable("no Megatron-LM tree: set MEGATRON_LM_DIR to a checkout at tag "
-                     "core_v0.16.1, or lay shared/megatron-lm/core_v0.16.1 beside the repository")
+        _unavailable(f"no Megatron-LM tree: set MEGATRON_LM_DIR to a checkout at tag "
+                     f"{MEGATRON_LM_TAG}, or lay shared/megatron-lm/{MEGATRON_LM_TAG} beside the "
+                     "repository")
     tree = prepare_patched_megatron_lm(source, tmp_path_factory.mktemp("megatron-lm"))
     yield tree
     remove_patched_megatron_lm(tree)

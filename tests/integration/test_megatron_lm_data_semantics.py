@@ -16,6 +16,7 @@ import pytest
 from megatron_bytescale.data.document_order import document_visits, epoch_order
 from megatron_bytescale.integration import document_index
 from megatron_bytescale.integration.batch_schedule import GlobalBatchSchedule
+from megatron_bytescale.integration.compat import batch_size_ramp_settings
 from megatron_bytescale.integration.document_index import (
     clear_document_length_cache,
     document_lengths,
@@ -167,8 +168,10 @@ def _megatron_loop_sizes(steps, **flags):
         update_num_microbatches,
     )
 
-    init_num_microbatches_calculator(0, flags["rampup"], flags["gbs"], flags["mbs"], flags["dp"],
-                                     False)
+    ramp = flags["ramp"]  # 0.16.1: rampup_batch_size; 0.19: step_batch_size_schedule
+    init_num_microbatches_calculator(0, ramp.get("rampup_batch_size"), flags["gbs"], flags["mbs"],
+                                     flags["dp"], False,
+                                     **{k: v for k, v in ramp.items() if k != "rampup_batch_size"})
     try:
         consumed, sizes = 0, []
         for _ in range(steps):
@@ -182,9 +185,10 @@ def _megatron_loop_sizes(steps, **flags):
 
 @pytest.mark.parametrize("rampup", [None, [4, 4, 40], [8, 8, 100]])
 def test_global_batch_schedule_matches_megatron_training_loop(rampup):
-    flags = dict(rampup=rampup, gbs=32, mbs=1, dp=4)
+    ramp = batch_size_ramp_settings(rampup, global_batch_size=32) if rampup else {}
+    flags = dict(ramp=ramp, gbs=32, mbs=1, dp=4)
     schedule = GlobalBatchSchedule(global_batch_size=32, micro_batch_size=1,
-                                   data_parallel_size=4, rampup_batch_size=rampup)
+                                   data_parallel_size=4, **ramp)
     expected = _megatron_loop_sizes(30, **flags)
     assert [schedule.samples(i) for i in range(30)] == expected
     if rampup:
@@ -192,7 +196,8 @@ def test_global_batch_schedule_matches_megatron_training_loop(rampup):
     for step in (0, 1, 5, 17):
         assert schedule.steps_done(sum(expected[:step])) == step
     if rampup:
-        with pytest.raises(ValueError, match="consumed 5 training samples.*--rampup-batch-size"):
+        with pytest.raises(ValueError, match="consumed 5 training samples.*"
+                                             "(--rampup-batch-size|--step-batch-size-schedule)"):
             schedule.steps_done(5)
 
 
@@ -200,7 +205,7 @@ def test_ramp_up_grows_the_token_budget_and_resume_respects_it(tmp_path):
     write_indexed_dataset(tmp_path / "d", random_documents(3, 60))
     source = indexed_document_source([str(tmp_path / "d")], split=[1.0, 0.0, 0.0], split_index=0)
     schedule = GlobalBatchSchedule(global_batch_size=8, micro_batch_size=1, data_parallel_size=2,
-                                   rampup_batch_size=[2, 2, 12])
+                                   **batch_size_ramp_settings([2, 2, 12], global_batch_size=8))
     seq = 64
 
     def batches(skip=0):

@@ -1,7 +1,7 @@
 """The Megatron-LM patch against a real Megatron-LM tree, through its own ``pretrain_gpt.py``.
 
-The tree is ``$MEGATRON_LM_DIR`` or, by default, the unmodified core_v0.16.1 tree in
-``shared/megatron-lm`` beside the repository; the session fixture ``patched_megatron_lm``
+The tree is ``$MEGATRON_LM_DIR`` or, by default, the unmodified tree in ``shared/megatron-lm``
+beside the repository at the tag of the installed megatron-core (core_v0.16.1 or core_v0.19.0); the session fixture ``patched_megatron_lm``
 (``conftest.py``) copies it to a temporary folder and applies the patch with
 ``scripts/apply_megatron_patches.sh``. These tests then parse real Megatron flags with the
 patched ``validate_args`` and run the patched ``pretrain_gpt.py`` for four iterations on 1 and 2
@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
+from megatron_bytescale.integration.compat import batch_size_ramp_flags, megatron_core_version
 from megatron_bytescale.testing.megatron_lm import (
+    MEGATRON_LM_TAG,
     PatchedMegatronLM,
     run_pretrain_gpt,
     validate_megatron_flags,
@@ -29,7 +31,7 @@ from megatron_bytescale.testing.megatron_lm import (
 from .megatron_lm_cases import TOLERANCE, random_documents, write_indexed_dataset
 
 REPO = Path(__file__).resolve().parents[2]
-PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCH = REPO / "patches" / f"megatron-lm-{MEGATRON_LM_TAG}.patch"
 
 
 def test_patch_applies_to_megatron_lm_tree(patched_megatron_lm_tree):
@@ -57,7 +59,7 @@ ARGS = ("context_parallel_size", "data_parallel_size", "calculate_per_token_loss
 
 def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_lm):
     hdp = [*TINY_GPT, "--bytescale-hdp"]
-    ok, cp, pp, plain, forgot, default = validate_megatron_flags(patched_megatron_lm, [
+    ok, cp, pp, plain, forgot, default, ramp = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
         [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
@@ -65,7 +67,17 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
         TINY_GPT,
         [*TINY_GPT, "--bytescale-capacity", "128"],  # forgot --bytescale-hdp
         [*TINY_GPT, "--bytescale-scheduler", "balance"],  # its default, given
+        [*hdp, "--rampup-batch-size", "2", "2", "4"],
     ], ARGS, world_size=4)
+    # --rampup-batch-size: 0.16.1's loop ramps with it; 0.19's ignores it, so HDP refuses it
+    # there, naming the flag and the equivalent --step-batch-size-schedule (0:2, then 4 from
+    # 4 samples = 2,048 tokens of --seq-length 512)
+    if megatron_core_version() < (0, 17, 0):
+        assert not ramp.refused, ramp
+    else:
+        assert (ramp.error, ramp.message) == ("SystemExit", "2")
+        assert "--rampup-batch-size is ignored by Megatron-LM core_v0.19" in ramp.stderr
+        assert '--step-batch-size-schedule "0:2 2048:4"' in ramp.stderr
     assert ok.values == dict(zip(ARGS, (1, 4, True, "external", 128, 512))), ok
     # refusals: one report from rank 0 and exit status 2, no traceback
     assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr
@@ -84,7 +96,7 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
 PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                   "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
                   "--seq-length", "512", "--max-position-embeddings", "512",
-                  "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+                  "--micro-batch-size", "1", "--lr", "1e-3",
                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                   "--transformer-impl", "local", "--swiglu", "--normalization", "RMSNorm",
                   "--qk-layernorm", "--recompute-granularity", "full", "--recompute-method",
@@ -96,8 +108,11 @@ PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
                   "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                   "--no-persist-layer-norm", "--distributed-backend", "gloo", "--seed", "1234",
                   "--bytescale-hdp"]
-# Batch-size ramp-up 2 -> 4 over 4 samples: steps of 2, 2, 4, 4 samples (x 512 tokens).
-RAMPUP = ["--rampup-batch-size", "2", "2", "4", "--train-samples", "12"]
+# Batch-size ramp-up 2 -> 4 over 4 samples: steps of 2, 2, 4, 4 samples (x 512 tokens), with
+# the flags of the installed Megatron-LM (0.16.1: --global-batch-size 4 --rampup-batch-size 2 2 4;
+# 0.19: --step-batch-size-schedule "0:2 2048:4" --eval-global-batch-size 4).
+RAMPUP = [*batch_size_ramp_flags([2, 2, 4], global_batch_size=4, seq_length=512),
+          "--train-samples", "12"]
 STEP_SAMPLES = [2, 2, 4, 4]
 
 

@@ -79,8 +79,10 @@ def test_ramp_up_sizes_need_not_divide_the_hdp_ranks():
     --rampup-batch-size 4 2 8: +2 samples every 8 / 2 = 4 consumed samples: 4, 6, 8, 8, ..."""
     from megatron_bytescale.integration.batch_schedule import GlobalBatchSchedule
 
+    from megatron_bytescale.integration.compat import batch_size_ramp_settings
+
     schedule = GlobalBatchSchedule(global_batch_size=8, micro_batch_size=1, data_parallel_size=4,
-                                   rampup_batch_size=[4, 2, 8])
+                                   **batch_size_ramp_settings([4, 2, 8], global_batch_size=8))
     assert [schedule.samples(i) for i in range(5)] == [4, 6, 8, 8, 8]
     assert [schedule.steps_done(c) for c in (0, 4, 10, 18, 26)] == [0, 1, 2, 3, 4]
 
