@@ -114,6 +114,7 @@ class ShardingContext:
         return np.asarray(self.cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=self.layers,
             intra_node=d[0] <= self.cost_model.ranks_per_node, node_group=self.node_group(d[0]),
+            num_docs=len(s),
         ), dtype=np.float64).reshape(-1)
 
     def resize(self, unit: Unit, ring_size: int) -> Unit:
@@ -206,13 +207,14 @@ def long_times(lengths: Sequence[int], ring_sizes: Sequence[int], ratios: Sequen
 
 def pack_times(packs: Iterable[Sequence[int]], ctx: ShardingContext) -> list[float]:
     """Seconds of single-rank packs, vectorised (D = 1, no padding)."""
-    sums, sq = [], []
+    sums, sq, docs = [], [], []
     for p in packs:
         a = np.asarray(p, dtype=np.float64)
         sums.append(a.sum())
         sq.append((a * a).sum())
+        docs.append(len(a))
     if not sums:
         return []
     out = ctx.cost_model.ring_time_from_sums(np.asarray(sums), np.asarray(sq), np.ones(len(sums)),
-                                             layers=ctx.layers)
+                                             layers=ctx.layers, num_docs=np.asarray(docs, dtype=np.float64))
     return [float(x) for x in np.atleast_1d(out)]
