@@ -88,3 +88,28 @@ def test_the_written_model_is_what_the_planner_reads(tmp_path):
     report = json.loads(json.dumps(result.to_dict()))
     assert report["fit"]["time_r2"] == pytest.approx(1.0)
     assert "R^2" in format_report(result)
+
+
+def test_fit_ring_terms_recovers_overhead_and_per_document_cost():
+    """Samples played from a model with both terms: the joint fit recovers them exactly, the
+    overhead-only fit ("before") cannot explain the many-document micro-batches."""
+    from megatron_bytescale.planner.profile import fit_ring_terms
+
+    truth = small_cost_model().with_(ring_step_overhead_s=2e-3, per_document_s=5e-4)
+    base = truth.with_(ring_step_overhead_s=0.0, per_document_s=0.0, gamma=truth.gamma + 5e-4)
+    layers = 4
+    cases = [(2, 1, 512), (2, 1, 1024), (4, 1, 2048), (4, 32, 2048), (2, 32, 1024), (1, 32, 512)]
+    samples = []
+    for d, n, tokens in cases:
+        parts = [tokens // n] * n
+        samples.append((d, n, tokens, truth.micro_batch_time(parts, d, layers=layers)))
+    fit = fit_ring_terms(base, samples, layers=layers)
+    assert fit.overhead_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit.per_document_s == pytest.approx(5e-4, rel=1e-6)
+    assert max(abs(r) for r in fit.residuals("after")) < 1e-9
+    assert max(abs(r) for r in fit.residuals("before")) > 0.05
+    # the applied model gives gamma back the one document a single-sequence timing held
+    applied = fit.apply(base)
+    assert applied.gamma == pytest.approx(truth.gamma)
+    for d, n, tokens, seconds in samples:
+        assert applied.micro_batch_time([tokens // n] * n, d, layers=layers) == pytest.approx(seconds)
