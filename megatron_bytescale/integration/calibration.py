@@ -6,8 +6,9 @@ rank 0 measures (:func:`calibrate_cost_model`):
 
 * **decoder layers only** (:func:`time_decoder`): the embedding runs untimed, then the decoder's
   forward and backward (from a fixed output gradient) are timed: CUDA events around them after a
-  synchronise on CUDA, CPU time of this process on CPU (ranks share cores there, and waiting for
-  one is not work). The embedding, LM head and loss are not layers, so they are not divided
+  synchronise on CUDA, CPU time on CPU (ranks share cores there, and waiting for one is not
+  work; :func:`.busy_clock.busy_clock`, the clock the run's busy time uses). The embedding,
+  LM head and loss are not layers, so they are not divided
   among them;
 * **activation bytes** of the decoder's forward: on CUDA the allocator's peak minus the baseline
   before the forward (what the device must hold); on CPU the distinct storages saved for
@@ -43,6 +44,7 @@ from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.plan import PlanBuilder
 from megatron_bytescale.planner.profile import RingTermsFit, fit_ring_terms
 
+from .busy_clock import busy_clock
 from .groups import HDPGroupManager
 
 if TYPE_CHECKING:
@@ -350,14 +352,15 @@ def _run_decoder_cpu(inner, hidden, rotary, grad, *, count: bool) -> tuple[float
         return t
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count else None
-    start = time.process_time()
+    clock = busy_clock()  # the clock the run's busy time uses
+    start = clock()
     if hooks is not None:
         with hooks:
             out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
     else:
         out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
     out.backward(grad)
-    return time.process_time() - start, sum(saved.values())
+    return clock() - start, sum(saved.values())
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,13 +22,13 @@ real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each seque
 ``P_j = 2 * D * zigzag_chunk(s_j, D, align)`` (``P_j = s_j`` when D = 1) and every member holds
 ``P_j / D`` of it. Per layer and per member:
 
-    linear  = beta1 * sum(P_j) / D + gamma
+    linear  = beta1 * sum(P_j) / D + gamma + per_document * n * D     (n documents)
     A       = alpha1 * sum(P_j**2) / D                    (causal attention, balanced by zigzag)
     c_f     = A * phi_attn / D,  c_b = A * (1 - phi_attn) / D     (compute of one ring step)
     m_f     = latency + kv * sum(P_j) / D / bandwidth             (one KV block)
     m_b     = latency + (kv + dkv) * sum(P_j) / D / bandwidth     (KV + dKV blocks)
     ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
-              + (D - 1) * ring_step_overhead
+              + (D - 1) * (ring_step_overhead + ring_straggler * sqrt(2 ln D))
     time    = layers * (linear + ring + exposed_offload)
 
 i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
@@ -36,8 +36,13 @@ costs time only where it exceeds the compute it hides behind. ``ring_step_overhe
 ring step costs beyond its kernels and transfer whatever the overlap: launches and
 synchronisation on GPUs (0 in the analytic presets, as in the paper), and on CPU the copies
 and thread switches that gloo makes on the same cores that compute (calibrated by
-``integration.calibration``; without it a CPU planner sees rings as nearly free). With D = 1 this is exactly
-``layers * T(s)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
+``integration.calibration``; without it a CPU planner sees rings as nearly free). ``per_document``
+is the cost of one attention-kernel call per document per ring step (backends without varlen
+kernels, the CPU path; calibrated with micro-batches of many short documents), and
+``ring_straggler`` the wait of a lockstep ring for its slowest member, the expected maximum of D
+delays of that standard deviation (0 on datasheet presets; the preset fitted to the paper's
+measurements needs it, docs/reproduction.md section 2). With D = 1 and one document this is
+exactly ``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
 intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
 its slowest hop).
 

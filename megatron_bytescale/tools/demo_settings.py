@@ -16,7 +16,7 @@ MODES = ("static", "naive", "balance", "offload")
 """Every mode the demo knows; ``offload`` is HDP balance with selective activation offload."""
 DEFAULT_MODES = ("static", "naive", "balance")
 DEFAULT_TIMEOUT_MINUTES = 3.0
-BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted", "synthetic-rings")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -178,6 +178,12 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             "time_samples": calibration.time_samples,
             "p2p_bandwidth": calibration.p2p_bandwidth,
             "p2p_latency_s": calibration.p2p_latency_s,
+            # the ring terms' fit: (D, documents, tokens, seconds) with predictions before/after
+            "ring_fit": None if getattr(calibration, "ring_fit", None) is None else {
+                "samples": [list(x) for x in calibration.ring_fit.samples],
+                "before": list(calibration.ring_fit.predicted_before),
+                "after": list(calibration.ring_fit.predicted_after),
+            },
         },
         "datasets": {},
     }
