@@ -17,6 +17,7 @@ Extra arguments (after ``--``) go to ``bytescale demo``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -52,7 +53,9 @@ def run_demo(extra: list[str]) -> tuple[dict, str]:
 
     args = build_parser().parse_args(["--data", DATASETS, "--out", "out/validate", "--no-plot", *extra])
     before = os.getloadavg()
-    results = run_demo_job(settings_from_args(args))
+    # modes interleaved step by step: the machine's load drifts, and a ratio between modes must
+    # compare them under the same load
+    results = run_demo_job(dataclasses.replace(settings_from_args(args), interleave_modes=True))
     after = os.getloadavg()
     load = f"load average (1 min) {before[0]:.1f} before / {after[0]:.1f} after the demo"
     return results, load

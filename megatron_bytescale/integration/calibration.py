@@ -2,7 +2,8 @@
 
 The planner needs per-layer ``T(s) = alpha1 s^2 + beta1 s + gamma`` and ``Act(s)`` of *this*
 model on *this* device, the host link that offload uses, and the P2P link of the rings. HDP
-rank 0 measures (:func:`calibrate_cost_model`):
+rank 0 measures (:func:`calibrate_cost_model`; every rank times the layers at the same time, so
+the timings share the machine as the run will, and rank 0's are kept):
 
 * **decoder layers only** (:func:`time_decoder`): the embedding runs untimed, then the decoder's
   forward and backward (from a fixed output gradient) are timed: CUDA events around them after a
@@ -140,11 +141,14 @@ def calibrate_cost_model(
         progress(f"P2P link between HDP ranks 0 and 1: {bandwidth / 1e9:.3f} GB/s, "
                  f"{latency * 1e6:.0f} us latency")
     cost_model = None
+    # every rank times its own local micro-batches at once, rank 0's are kept: the timings then
+    # see what the run's will, all ranks computing together (on a CPU host, cores and caches
+    # shared), not one rank alone on an idle machine
+    time_samples, activation_samples = measure_layer_costs(
+        model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
+        progress=progress if hdp.rank == 0 else None,
+    )
     if hdp.rank == 0:
-        time_samples, activation_samples = measure_layer_costs(
-            model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
-            progress=progress,
-        )
         d2h, h2d = measure_host_link(device, num_bytes=host_bytes)
         if progress is not None:
             progress(f"host link: D2H {d2h / 1e9:.2f} GB/s, H2D {h2d / 1e9:.2f} GB/s")
