@@ -171,7 +171,12 @@ class Profile:
                 "d2h_bandwidth": s.d2h_bandwidth, "h2d_bandwidth": s.h2d_bandwidth,
                 "p2p_bandwidth": s.p2p_bandwidth, "p2p_latency_s": s.p2p_latency_s,
                 "ring_step_overhead_s": s.ring_step_overhead_s, "device": s.device_name,
-                "hdp_size": s.hdp_size,
+                "hdp_size": s.hdp_size, "per_document_s": s.per_document_s,
+                "ring_micro_batches": None if s.ring_fit is None else {
+                    "samples": [list(x) for x in s.ring_fit.samples],
+                    "predicted_before": list(s.ring_fit.predicted_before),
+                    "predicted_after": list(s.ring_fit.predicted_after),
+                },
             },
             "fit": {
                 "time_r2": self.time_fit.r2, "time_residuals": [list(x) for x in self.time_fit.residuals],

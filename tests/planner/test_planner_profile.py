@@ -113,3 +113,26 @@ def test_fit_ring_terms_recovers_overhead_and_per_document_cost():
     assert applied.gamma == pytest.approx(truth.gamma)
     for d, n, tokens, seconds in samples:
         assert applied.micro_batch_time([tokens // n] * n, d, layers=layers) == pytest.approx(seconds)
+
+
+def test_report_shows_ring_micro_batches_before_and_after():
+    import dataclasses
+
+    from megatron_bytescale.planner.profile import fit_profile, fit_ring_terms
+
+    truth = small_cost_model().with_(ring_step_overhead_s=2e-3, per_document_s=5e-4)
+    samples = SyntheticSource(truth, hdp_size=4).measure([256, 512, 1024, 2048])
+    base = truth.with_(ring_step_overhead_s=0.0, per_document_s=0.0, gamma=truth.gamma + 5e-4)
+    ring = [(d, n, t, truth.micro_batch_time([t // n] * n, d, layers=4)) for d, n, t in
+            [(2, 1, 1024), (4, 1, 2048), (4, 32, 2048), (1, 32, 512)]]
+    fit = fit_ring_terms(base, ring, layers=4)
+    samples = dataclasses.replace(samples, per_document_s=fit.per_document_s,
+                                  ring_step_overhead_s=fit.overhead_s, ring_fit=fit)
+    result = fit_profile(samples, num_layers=4, kv_bytes_per_token=64.0)
+    assert result.cost_model.per_document_s == pytest.approx(5e-4)
+    assert result.cost_model.gamma == pytest.approx(truth.gamma, rel=1e-6)
+    text = format_report(result)
+    assert "per document per ring step 0.500 ms per layer" in text
+    line = next(l for l in text.splitlines() if l.strip().startswith("D=4") and "32 doc(s)" in l)
+    assert line.split()[-1] in ("+0.0%", "-0.0%") and line.split()[-3] == "+46.0%"  # after exact, before off
+    assert result.to_dict()["samples"]["ring_micro_batches"]["samples"][2] == [4, 32, 2048, pytest.approx(ring[2][3])]
