@@ -42,9 +42,9 @@ kernels, the CPU path; calibrated with micro-batches of many short documents), a
 ``ring_straggler`` the wait of a lockstep ring for its slowest member, the expected maximum of D
 delays of that standard deviation (0 on datasheet presets; the preset fitted to the paper's
 measurements needs it, docs/reproduction.md section 2). With D = 1 and one document this is
-exactly ``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
-intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
-its slowest hop).
+exactly ``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch).
+``bandwidth`` is the intra-node rate when all members share a node, else the inter-node rate
+(a ring is as slow as its slowest hop).
 
 Host memory: a member offloading the ratio r of a micro-batch fills ``r * (l - 2) * Act(share)``
 bytes of host memory (``host_memory_bytes`` caps it, for all micro-batches in flight at once).

@@ -71,7 +71,8 @@ class Summary:
             step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
             tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, micro_batch_phase_s=self.micro_batch_phase_s,
             grad_reduce_s=self.grad_reduce_s, optimizer_s=self.optimizer_s, data_wait_s=self.data_wait_s,
-            plan_s=self.plan_s, planner_wall_s=self.planner_wall_s, balance_ratio=self.balance_ratio, fractions=dict(self.fractions),
+            plan_s=self.plan_s, planner_wall_s=self.planner_wall_s, balance_ratio=self.balance_ratio,
+            fractions=dict(self.fractions),
             max_rank_busy_s=self.max_rank_busy_s, mean_rank_busy_s=self.mean_rank_busy_s,
             min_rank_busy_s=self.min_rank_busy_s, p2p_bytes=self.p2p_bytes,
             step_results=[r.to_dict(per_rank=per_rank) for r in self.results],
@@ -104,7 +105,8 @@ def run_sweep(
         where = f"context {format_tokens(context)}, " if context else ""
         if outcome.result is not None:
             r = outcome.result
-            what = f"step {r.step_time_s:.3g} s, {r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (planner wall time on this machine {r.planner_wall_s or 0.0:.2f} s)"
+            what = (f"step {r.step_time_s:.3g} s, {r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
+                    f"(planner wall time on this machine {r.planner_wall_s or 0.0:.2f} s)")
         else:
             what = "not applicable"
         progress(f"[{done[0]}/{total}] {where}step {step}, {outcome.variant.name}: {what}; eta {eta:.0f} s")
