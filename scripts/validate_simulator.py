@@ -161,9 +161,10 @@ def section(results: dict, load: str) -> str:
         "",
         f"Least squares over all {terms.samples} micro-batches: measured = {terms.scale:.2f} x simulated "
         f"+ {terms.per_doc_step_s * 1e3:.2f} ms x documents x ring size (rings only): a uniform factor "
-        f"(the run against the calibration: {results['world_size']} ranks share "
-        f"{results.get('cpu_count', '?')} cores and their caches, the calibration ran its single-rank "
-        "timings alone) and what per-document cost is left beyond the model's own term.",
+        "between the calibration (the bare model's decoder layers on each rank's own micro-batch) and "
+        "the run (the whole DDP-wrapped model with the demo's saved-tensor hooks, inside Megatron's "
+        "step functions), and what per-document cost is left beyond the model's own term (negative: "
+        "the calibrated term is if anything too large).",
         "",
         "**Wall-time ratios** (micro-batch phase on the machine, predicted with the cores shared; noisy: "
         "other processes took cores at random moments, this is not what the goal is judged on):",
