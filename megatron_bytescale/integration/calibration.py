@@ -2,12 +2,14 @@
 
 The planner needs per-layer ``T(s) = alpha1 s^2 + beta1 s + gamma`` and ``Act(s)`` of *this*
 model on *this* device, the host link that offload uses, and the P2P link of the rings. HDP
-rank 0 measures (:func:`calibrate_cost_model`):
+rank 0 measures (:func:`calibrate_cost_model`; every rank times the layers at the same time, so
+the timings share the machine as the run will, and rank 0's are kept):
 
 * **decoder layers only** (:func:`time_decoder`): the embedding runs untimed, then the decoder's
   forward and backward (from a fixed output gradient) are timed: CUDA events around them after a
-  synchronise on CUDA, CPU time of this process on CPU (ranks share cores there, and waiting for
-  one is not work). The embedding, LM head and loss are not layers, so they are not divided
+  synchronise on CUDA, CPU time on CPU (ranks share cores there, and waiting for one is not
+  work; :func:`.busy_clock.busy_clock`, the clock the run's busy time uses). The embedding,
+  LM head and loss are not layers, so they are not divided
   among them;
 * **activation bytes** of the decoder's forward: on CUDA the allocator's peak minus the baseline
   before the forward (what the device must hold); on CPU the distinct storages saved for
@@ -16,8 +18,12 @@ rank 0 measures (:func:`calibrate_cost_model`):
   into a separate host buffer on CPU (what the CPU offload stand-in pays);
 * **P2P link** (:func:`measure_p2p_link`) between HDP ranks 0 and 1.
 
-Then all ranks run a few ring micro-batches together (rings of 2 and of all ranks) and rank 0
-fits the ring step overhead: what a ring step costs beyond its kernels and the link time. The
+Then all ranks run a few ring micro-batches together (rings of 2 and of all ranks, each of one
+sequence and of many short documents, plus a local pack of many documents) and rank 0 fits two
+terms that single sequences on one rank cannot show (:func:`.planner.profile.fit_ring_terms`):
+the ring step overhead, what a ring step costs beyond its kernels and the link time, and the
+cost per document per ring step (attention backends that call their kernel once per document
+segment; the CPU path). The
 fitted model is named after the device (``calibrated-nvidia-h200``, ``calibrated-cpu``) and
 broadcast as JSON, so every rank plans with exactly the same numbers (plans must hash equal,
 D7) however noisy the measurement was.
@@ -37,7 +43,9 @@ import torch.distributed as dist
 from megatron_bytescale.data.hdp_iterator import collective_device
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.plan import PlanBuilder
+from megatron_bytescale.planner.profile import RingTermsFit, fit_ring_terms
 
+from .busy_clock import busy_clock
 from .groups import HDPGroupManager
 
 if TYPE_CHECKING:
@@ -58,7 +66,12 @@ class Calibration:
     p2p_bandwidth: float
     p2p_latency_s: float
     ring_samples: tuple[tuple[int, int, float], ...] = ()
-    """(ring size, sequence length, rank 0's decoder seconds) of the ring micro-batches measured."""
+    """(ring size, sequence length, rank 0's decoder seconds) of the one-sequence ring micro-batches."""
+    document_samples: tuple[tuple[int, int, int, float], ...] = ()
+    """(ring size, documents, tokens, rank 0's decoder seconds) of every micro-batch the ring
+    terms were fitted to (the one-sequence rings included, with 1 document)."""
+    ring_fit: "RingTermsFit | None" = None
+    """The ring-term fit with residuals before (overhead only) and after (with per document)."""
     d2h_bandwidth: float = 0.0
     h2d_bandwidth: float = 0.0
     device_name: str = "cpu"
@@ -128,11 +141,14 @@ def calibrate_cost_model(
         progress(f"P2P link between HDP ranks 0 and 1: {bandwidth / 1e9:.3f} GB/s, "
                  f"{latency * 1e6:.0f} us latency")
     cost_model = None
+    # every rank times its own local micro-batches at once, rank 0's are kept: the timings then
+    # see what the run's will, all ranks computing together (on a CPU host, cores and caches
+    # shared), not one rank alone on an idle machine
+    time_samples, activation_samples = measure_layer_costs(
+        model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
+        progress=progress if hdp.rank == 0 else None,
+    )
     if hdp.rank == 0:
-        time_samples, activation_samples = measure_layer_costs(
-            model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
-            progress=progress,
-        )
         d2h, h2d = measure_host_link(device, num_bytes=host_bytes)
         if progress is not None:
             progress(f"host link: D2H {d2h / 1e9:.2f} GB/s, H2D {h2d / 1e9:.2f} GB/s")
@@ -152,22 +168,29 @@ def calibrate_cost_model(
             ranks_per_node=hdp.size,
             source=f"calibrated on HDP rank 0 ({label}) at lengths {sorted(set(lengths))}",
         )
-    ring_samples, overhead = _measure_ring_overhead(
-        model, manager, cost_model, lengths=lengths, repeats=repeats, vocab_size=vocab_size,
-        layers=layers, device=device,
+    ring_samples = _measure_ring_samples(
+        model, manager, lengths=lengths, repeats=repeats, vocab_size=vocab_size, device=device,
     )  # fmt: skip
     if hdp.rank == 0:
-        if progress is not None and hdp.size > 1:
-            rings = " and ".join(str(d) for d in sorted({2, hdp.size}))
-            progress(f"ring micro-batches on {rings} ranks: step overhead "
-                     f"{overhead * 1e3:.3f} ms per layer")
+        fit = fit_ring_terms(cost_model, ring_samples, layers=layers) if ring_samples else None
+        if fit is not None:
+            cost_model = fit.apply(cost_model)
+            logger.info("calibration: ring step overhead %.3f ms, per document %.3f ms per layer",
+                        fit.overhead_s * 1e3, fit.per_document_s * 1e3)
+        if progress is not None and fit is not None:
+            rings = " and ".join(str(d) for d in sorted({d for d, _, _, _ in ring_samples}))
+            progress(f"micro-batches on {rings} ranks: ring step overhead {fit.overhead_s * 1e3:.3f} ms, "
+                     f"per document per ring step {fit.per_document_s * 1e3:.3f} ms per layer")
         payload[0] = {
-            "cost_model": cost_model.with_(ring_step_overhead_s=overhead).to_dict(),
+            "cost_model": cost_model.to_dict(),
+            "documents": ring_samples,
+            "fit": None if fit is None else [fit.overhead_s, fit.per_document_s, fit.overhead_only_s,
+                                            list(fit.predicted_before), list(fit.predicted_after)],
             "time": time_samples,
             "activation": activation_samples,
             "bandwidth": bandwidth,
             "latency": latency,
-            "rings": ring_samples,
+            "rings": [(d, t, m) for d, n, t, m in ring_samples if n == 1 and d > 1],
             "d2h": d2h,
             "h2d": h2d,
             "device": label,
@@ -175,7 +198,15 @@ def calibrate_cost_model(
     if hdp.size > 1:
         dist.broadcast_object_list(payload, src=hdp.global_rank(0), group=hdp.group)
     data = payload[0]
+    documents = tuple(tuple(x) for x in data["documents"])
+    fit = None
+    if data["fit"] is not None:
+        overhead, per_doc, only, before, after = data["fit"]
+        fit = RingTermsFit(overhead_s=overhead, per_document_s=per_doc, overhead_only_s=only,
+                           samples=documents, predicted_before=tuple(before), predicted_after=tuple(after))
     return Calibration(
+        document_samples=documents,
+        ring_fit=fit,
         cost_model=CostModel.from_dict(data["cost_model"]),
         time_samples=tuple(tuple(x) for x in data["time"]),
         activation_samples=tuple(tuple(x) for x in data["activation"]),
@@ -199,13 +230,24 @@ def single_sequence_micro_batch(
     device: torch.device | None = None,
 ) -> "MicroBatchTensors":
     """This rank's micro-batch of ONE sequence (``tokens``) carried by ``ring`` (HDP ranks)."""
+    return documents_micro_batch(manager, ring, [tokens], device=device)
+
+
+def documents_micro_batch(
+    manager: HDPGroupManager,
+    ring: Sequence[int],
+    documents: Sequence[torch.Tensor],
+    *,
+    device: torch.device | None = None,
+) -> "MicroBatchTensors":
+    """This rank's micro-batch of the sequences ``documents`` carried together by ``ring``."""
     from megatron_bytescale.runtime import build_micro_batch
 
-    length = int(tokens.numel())
-    builder = PlanBuilder(hdp_size=manager.hdp.size, capacity=length, lengths={0: length})
-    builder.add(list(ring), [0])
+    lengths = {i: int(t.numel()) for i, t in enumerate(documents)}
+    builder = PlanBuilder(hdp_size=manager.hdp.size, capacity=sum(lengths.values()), lengths=lengths)
+    builder.add(list(ring), list(lengths))
     plan = builder.build(scheduler="calibration")
-    return build_micro_batch(plan, manager.hdp, 0, {0: tokens}, device=device)
+    return build_micro_batch(plan, manager.hdp, 0, dict(enumerate(documents)), device=device)
 
 
 def measure_layer_costs(
@@ -314,14 +356,15 @@ def _run_decoder_cpu(inner, hidden, rotary, grad, *, count: bool) -> tuple[float
         return t
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count else None
-    start = time.process_time()
+    clock = busy_clock()  # the clock the run's busy time uses
+    start = clock()
     if hooks is not None:
         with hooks:
             out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
     else:
         out = inner.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
     out.backward(grad)
-    return time.process_time() - start, sum(saved.values())
+    return clock() - start, sum(saved.values())
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -344,55 +387,54 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 # ----------------------------------------------------------------------------- rings
 
 
-def _measure_ring_overhead(
+DOCUMENTS_PER_SAMPLE = 32
+"""Short documents in each many-document calibration micro-batch."""
+
+
+def _measure_ring_samples(
     model: torch.nn.Module,
     manager: HDPGroupManager,
-    fitted: CostModel | None,
     *,
     lengths: Sequence[int],
     repeats: int,
     vocab_size: int,
-    layers: int,
     device: torch.device | None,
-) -> tuple[list[tuple[int, int, float]], float]:
-    """Run ring micro-batches on HDP ranks ``0..D-1`` for D = 2 and D = all; fit the step overhead.
+) -> list[tuple[int, int, int, float]]:
+    """Time micro-batches on HDP ranks ``0..D-1``: ``(D, documents, tokens, seconds)`` on rank 0.
 
-    Collective: every rank calls it (ranks outside a ring skip that case). Each case carries one
-    sequence of ``D * n`` tokens for ``n`` = half and all of the longest calibration length
-    (capped so the sequence fits the model's positions), so every member holds ``n`` tokens.
-    Rank 0 returns the least-squares overhead per ring step per layer:
-    ``sum(measured - predicted) / sum(layers * (D - 1))`` with ``predicted`` from ``fitted``
-    (no overhead), clipped at 0; other ranks return 0.0 and no samples.
+    Collective: every rank calls it (ranks outside a ring skip that case). For D = 2 and D =
+    all ranks: one sequence of ``D * n`` tokens for ``n`` = half and all of the longest
+    calibration length (capped so it fits the model's positions), so every member holds ``n``
+    tokens, and :data:`DOCUMENTS_PER_SAMPLE` short documents of ``D * n`` tokens in all; and a
+    local pack of as many documents of ``n`` tokens on rank 0. Other ranks return ``[]``.
     """
     hdp = manager.hdp
     if hdp.size < 2:
-        return [], 0.0
+        return []
     generator = torch.Generator().manual_seed(4321)
     longest = max(int(n) for n in lengths)
     max_positions = int(getattr(_unwrap(model), "max_sequence_length", 0) or 0)
-    samples: list[tuple[int, int, float]] = []
+    cases: list[tuple[int, int, int]] = []  # (ring size, documents, tokens)
     for ring_size in sorted({2, hdp.size}):
         per_rank_max = min(longest, max_positions // ring_size) if max_positions else longest
         for per_rank in sorted({max(1, per_rank_max // 2), max(1, per_rank_max)}):
-            length = ring_size * per_rank
-            tokens = torch.randint(0, vocab_size, (length,), generator=generator)
-            if hdp.rank >= ring_size:
-                continue
-            micro_batch = single_sequence_micro_batch(
-                manager, range(ring_size), tokens, device=device
-            )
-            measured = time_decoder(model, manager, micro_batch, repeats=repeats)
-            samples.append((ring_size, length, measured.seconds))
-    if hdp.rank != 0 or fitted is None:
-        return [], 0.0
-    excess = steps = 0.0
-    for ring_size, length, seconds in samples:
-        predicted = fitted.micro_batch_time([length], ring_size, layers=layers)
-        excess += seconds - predicted
-        steps += layers * (ring_size - 1)
-    overhead = max(0.0, excess / steps)
-    logger.info("calibration: ring step overhead %.2f ms per layer", overhead * 1e3)
-    return samples, overhead
+            cases.append((ring_size, 1, ring_size * per_rank))
+        docs = min(DOCUMENTS_PER_SAMPLE, max(1, ring_size * per_rank_max // (2 * ring_size)))
+        if docs > 1:
+            cases.append((ring_size, docs, ring_size * per_rank_max))
+    docs = min(DOCUMENTS_PER_SAMPLE, longest)
+    if docs > 1:
+        cases.append((1, docs, longest))
+    samples: list[tuple[int, int, int, float]] = []
+    for ring_size, docs, tokens in cases:
+        parts = [tokens // docs + (1 if i < tokens % docs else 0) for i in range(docs)]
+        seqs = [torch.randint(0, vocab_size, (n,), generator=generator) for n in parts]
+        if hdp.rank >= ring_size:
+            continue
+        micro_batch = documents_micro_batch(manager, range(ring_size), seqs, device=device)
+        measured = time_decoder(model, manager, micro_batch, repeats=repeats)
+        samples.append((ring_size, docs, tokens, measured.seconds))
+    return samples if hdp.rank == 0 else []
 
 
 # ----------------------------------------------------------------------------- links

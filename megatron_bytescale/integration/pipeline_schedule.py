@@ -52,6 +52,7 @@ import torch
 
 from megatron_bytescale.planner.order import pipeline_ops
 
+from .busy_clock import busy_clock
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
 from .schedule import (
@@ -217,9 +218,10 @@ class _Timing:
 
     @contextlib.contextmanager
     def timed(self):
-        busy0, wall0 = time.process_time(), time.perf_counter()
+        clock = busy_clock()
+        busy0, wall0 = clock(), time.perf_counter()
         try:
             yield
         finally:
-            self.busy_s += time.process_time() - busy0
+            self.busy_s += clock() - busy0
             self.wall_s += time.perf_counter() - wall0

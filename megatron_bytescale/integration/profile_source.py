@@ -47,6 +47,8 @@ class MegatronProfileSource:
             p2p_bandwidth=calibration.p2p_bandwidth,
             p2p_latency_s=calibration.p2p_latency_s,
             ring_step_overhead_s=calibration.cost_model.ring_step_overhead_s,
+            per_document_s=calibration.cost_model.per_document_s,
+            ring_fit=calibration.ring_fit,
             device_name=calibration.device_name,
             hdp_size=self.manager.size,
         )

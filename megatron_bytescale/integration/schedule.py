@@ -19,8 +19,9 @@ runs the loop itself on megatron-core's own building blocks:
 * then the optimizer steps (Megatron's distributed optimizer, ZeRO-1 over the HDP group, on
   GPUs; plain Megatron DDP + Adam on CPU, see :mod:`.training`).
 
-Busy time is measured with ``time.process_time()`` (CPU time of this process): on the CPU
-demo several ranks share a core, so wall time would hide the imbalance between ranks.
+Busy time is CPU time (:func:`.busy_clock.busy_clock`: this thread's with one intra-op thread,
+else the process's): on the CPU demo several ranks share a core, so wall time would hide the
+imbalance between ranks, and the communication library's own threads are not compute.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from megatron_bytescale.runtime.offload import offload_micro_batch
 
+from .busy_clock import busy_clock
 from .compat import megatron_backward_step, megatron_forward_step
 from .grad_sync import gather_params_without_forward, install_ordered_grad_sync
 from .groups import HDPGroupManager
@@ -317,7 +319,8 @@ def run_micro_batches(
     for index, (planned, tensors) in enumerate(zip(step.micro_batches, step.micro_batch_tensors())):
         deferred = not forward_only and index < count - 1
         traffic = counters.start_micro_batch(planned.order) if counters is not None else None
-        busy0, wall0 = time.process_time(), time.perf_counter()
+        clock = busy_clock()
+        busy0, wall0 = clock(), time.perf_counter()
         with no_sync() if deferred else contextlib.nullcontext():
             with micro_batch_scope(manager, tensors, counters, phase="forward", offloader=offloader):
                 output, num_tokens = megatron_forward_step(
@@ -341,7 +344,7 @@ def run_micro_batches(
                 tokens=planned.num_tokens,
                 loss_tokens=tensors.num_loss_tokens,
                 p2p_bytes=int(traffic.bytes_sent) if traffic is not None else 0,
-                busy_s=time.process_time() - busy0,
+                busy_s=clock() - busy0,
                 wall_s=time.perf_counter() - wall0,
                 offload_ratio=planned.offload_ratio,
             )

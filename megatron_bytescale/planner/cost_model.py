@@ -22,13 +22,13 @@ real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each seque
 ``P_j = 2 * D * zigzag_chunk(s_j, D, align)`` (``P_j = s_j`` when D = 1) and every member holds
 ``P_j / D`` of it. Per layer and per member:
 
-    linear  = beta1 * sum(P_j) / D + gamma
+    linear  = beta1 * sum(P_j) / D + gamma + per_document * n * D     (n documents)
     A       = alpha1 * sum(P_j**2) / D                    (causal attention, balanced by zigzag)
     c_f     = A * phi_attn / D,  c_b = A * (1 - phi_attn) / D     (compute of one ring step)
     m_f     = latency + kv * sum(P_j) / D / bandwidth             (one KV block)
     m_b     = latency + (kv + dkv) * sum(P_j) / D / bandwidth     (KV + dKV blocks)
     ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
-              + (D - 1) * ring_step_overhead
+              + (D - 1) * (ring_step_overhead + ring_straggler * sqrt(2 ln D))
     time    = layers * (linear + ring + exposed_offload)
 
 i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
@@ -36,10 +36,15 @@ costs time only where it exceeds the compute it hides behind. ``ring_step_overhe
 ring step costs beyond its kernels and transfer whatever the overlap: launches and
 synchronisation on GPUs (0 in the analytic presets, as in the paper), and on CPU the copies
 and thread switches that gloo makes on the same cores that compute (calibrated by
-``integration.calibration``; without it a CPU planner sees rings as nearly free). With D = 1 this is exactly
-``layers * T(s)`` summed over the pack (gamma once per micro-batch). ``bandwidth`` is the
-intra-node rate when all members share a node, else the inter-node rate (a ring is as slow as
-its slowest hop).
+``integration.calibration``; without it a CPU planner sees rings as nearly free). ``per_document``
+is the cost of one attention-kernel call per document per ring step (backends without varlen
+kernels, the CPU path; calibrated with micro-batches of many short documents), and
+``ring_straggler`` the wait of a lockstep ring for its slowest member, the expected maximum of D
+delays of that standard deviation (0 on datasheet presets; the preset fitted to the paper's
+measurements needs it, docs/reproduction.md section 2). With D = 1 and one document this is
+exactly ``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch).
+``bandwidth`` is the intra-node rate when all members share a node, else the inter-node rate
+(a ring is as slow as its slowest hop).
 
 Host memory: a member offloading the ratio r of a micro-batch fills ``r * (l - 2) * Act(share)``
 bytes of host memory (``host_memory_bytes`` caps it, for all micro-batches in flight at once).
@@ -115,6 +120,7 @@ _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
     "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
+    "per_document_s", "ring_straggler_s",
 )
 
 
@@ -167,6 +173,17 @@ class CostModel:
     q_bytes_per_token: float = 0.0
     """Query bytes per token per layer per TP rank (= the attention output's); what the
     two-level ring's all-to-all moves besides K and V."""
+    per_document_s: float = 0.0
+    """Seconds per document per ring step per layer (forward and backward together): the
+    attention kernel is called once per document segment of every ring step where the backend
+    cannot take all segments in one call (the CPU path; varlen GPU kernels make it ~0). A local
+    pack of n documents pays it n times, a member of a ring of D pays it n * D times."""
+    ring_straggler_s: float = 0.0
+    """Seconds per ring step per layer (forward and backward together) by which the slowest of a
+    ring's members delays the step, per unit of ``sqrt(2 ln D)`` (the expected maximum of D
+    independent delays of standard deviation ``ring_straggler_s``): a ring advances in lockstep,
+    so wide rings wait longer. Not hidden by compute. 0 in the analytic presets; the paper
+    preset fits it to the case study (docs/reproduction.md, section 2)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -216,6 +233,8 @@ class CostModel:
             ("beta2", self.beta2 / self.offload_bandwidth),
             ("kv_bytes_per_token", kv * s / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
             ("p2p_latency_s", self.p2p_latency_s + self.ring_step_overhead_s),
+            ("ring_straggler_s", self.ring_straggler_s * 5.0),
+            ("per_document_s", self.per_document_s * s),
         )
         for name, value in terms:
             if not math.isfinite(value * headroom):
@@ -368,6 +387,7 @@ class CostModel:
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
         node_group: Any = 1,
+        num_docs: Any = 1,
     ) -> Any:
         """Per-member seconds of micro-batches given ``sum(P_j)`` and ``sum(P_j**2)`` (vectorised).
 
@@ -377,11 +397,12 @@ class CostModel:
         ``(G - 1) / G`` of every member's q, k, v, out forward and their gradients backward
         over NVLink, then a ring of D / G steps between nodes, each step computing 1 / (D / G)
         of the member's attention while the next node's K/V (dK/dV backward) arrives over the
-        network. It is the sum of :meth:`ring_time_terms`.
+        network. ``num_docs``: documents per micro-batch (the ``per_document_s`` term). It is the
+        sum of :meth:`ring_time_terms`.
         """
         out = self.ring_time_terms(
             sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node,
-            node_group=node_group,
+            node_group=node_group, num_docs=num_docs,
         ).total
         return float(out) if out.ndim == 0 else out
 
@@ -395,10 +416,12 @@ class CostModel:
         offload_ratio: Any = 0.0,
         intra_node: Any = True,
         node_group: Any = 1,
+        num_docs: Any = 1,
     ) -> "RingTimeTerms":
         """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
         ``layers`` layers): the simulator reports where a step goes with the planner's own model.
-        A two-level ring's all-to-alls count as exposed communication."""
+        A two-level ring's all-to-alls and the straggler wait count as exposed communication,
+        the per-document cost as compute."""
         sp = np.asarray(sum_p, dtype=np.float64)
         sp2 = np.asarray(sum_p2, dtype=np.float64)
         d = np.asarray(ring_size, dtype=np.float64)
@@ -419,6 +442,12 @@ class CostModel:
         a2a_comm = np.where(two, 4 * self.p2p_latency_s + 2 * (g - 1) / g * share * (
             2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra, 0.0)
         exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b) + a2a_comm
+        if self.ring_straggler_s:
+            wait = steps * self.ring_straggler_s * np.sqrt(2.0 * np.log(np.maximum(positions, 1.0)))
+            exposed_comm = exposed_comm + wait
+            a2a_comm = a2a_comm + wait  # counted in ``comm`` below: a profiler shows it as P2P time
+        docs = self.per_document_s * np.asarray(num_docs, dtype=np.float64) * d if self.per_document_s else 0.0
+        linear = linear + docs
         overhead = (steps + np.where(two, 2.0, 0.0)) * self.ring_step_overhead_s
         layer = linear + attn + exposed_comm + overhead
         exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
@@ -464,6 +493,7 @@ class CostModel:
             self.ring_time_from_sums(
                 p.sum(), (p * p).sum(), ring_size, layers=layers,
                 offload_ratio=offload_ratio, intra_node=intra_node, node_group=node_group,
+                num_docs=len(p),
             )
         )
 

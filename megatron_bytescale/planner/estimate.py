@@ -66,6 +66,8 @@ class MicroBatchCosts:
     intra_node: np.ndarray | None = None
     node_group: np.ndarray | None = None
     """Members per node of two-level rings (the ``node_group`` of ``ring_time_from_sums``), 1 if flat."""
+    num_docs: np.ndarray | None = None
+    """Documents per micro-batch (the ``num_docs`` of ``ring_time_from_sums``)."""
 
 
 def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> MicroBatchCosts:
@@ -92,7 +94,7 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
         zi = z.astype(np.int64)
         return MicroBatchCosts(orders=orders, ring_sizes=zi, seconds=z, p2p_bytes=z, inter_node_bytes=z,
                                rings=(), offload=z, seq_owner=zi, seq_lengths=zi, holders={},
-                               sum_p=z, sum_p2=z, intra_node=zi.astype(bool), node_group=z)
+                               sum_p=z, sum_p2=z, intra_node=zi.astype(bool), node_group=z, num_docs=z)
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
@@ -123,9 +125,10 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     owner_arr = np.asarray(owner, dtype=np.int64)
     sum_p = np.bincount(owner_arr, weights=padded, minlength=n)
     sum_p2 = np.bincount(owner_arr, weights=padded * padded, minlength=n)
+    num_docs = np.bincount(owner_arr, minlength=n).astype(np.float64)
     seconds = np.atleast_1d(cost_model.ring_time_from_sums(
         sum_p, sum_p2, ring_sizes, layers=plan.layers_per_stage, offload_ratio=offload, intra_node=intra,
-        node_group=groups,
+        node_group=groups, num_docs=num_docs,
     ))
     all_layers = plan.layers_per_stage * plan.pp_size
     p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
@@ -138,7 +141,7 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     return MicroBatchCosts(orders=orders, ring_sizes=ring_sizes, seconds=seconds, p2p_bytes=p2p,
                            inter_node_bytes=inter, rings=tuple(rings), offload=offload,
                            seq_owner=owner_arr, seq_lengths=s, holders=holders,
-                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra, node_group=groups)
+                           sum_p=sum_p, sum_p2=sum_p2, intra_node=intra, node_group=groups, num_docs=num_docs)
 
 
 def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts, *, top: int = 16,
@@ -170,7 +173,7 @@ def critical_path(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts,
         p = np.where(d == 1, sl, chunk * 2 * d).astype(np.float64)
         t = np.atleast_1d(cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=plan.layers_per_stage,
-            intra_node=d[0] <= rpn, node_group=np.where(d[0] > rpn, rpn, 1),
+            intra_node=d[0] <= rpn, node_group=np.where(d[0] > rpn, rpn, 1), num_docs=len(lengths),
         ))
         best = max(best, min(float(t.min()), float(costs.seconds[k])))
     return best * plan.pp_size

@@ -52,6 +52,83 @@ class ProfileSamples:
     device_name: str = "cpu"
     hdp_size: int = 1
     """Ranks the P2P link and the rings were measured over (1: not measured)."""
+    per_document_s: float = 0.0
+    """Seconds per document per ring step per layer (:attr:`CostModel.per_document_s`), fitted
+    with the ring step overhead by :func:`fit_ring_terms`."""
+    ring_fit: "RingTermsFit | None" = None
+    """The micro-batches the two ring terms were fitted to, with residuals before and after."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingTermsFit:
+    """The two terms that single-sequence timings cannot show, fitted to measured micro-batches.
+
+    Every sample is ``(ring size D, documents n, tokens, seconds)`` of one member's decoder
+    layers (forward + backward). The model without the two terms, ``base``, predicts
+    ``b_i``; the residual is fitted non-negatively as
+
+        measured_i - b_i = overhead * layers * (D - 1) + per_document * layers * (n D - 1)
+
+    (``n D - 1``: the single-sequence local timings that fitted ``gamma`` already held one
+    document's cost, so ``gamma`` gives it back: :meth:`apply`). ``before`` is the previous
+    calibration, the overhead alone fitted to the same samples; ``after`` both terms.
+    """
+
+    overhead_s: float
+    per_document_s: float
+    overhead_only_s: float
+    samples: tuple[tuple[int, int, int, float], ...]
+    predicted_before: tuple[float, ...]
+    predicted_after: tuple[float, ...]
+
+    def apply(self, cost_model: CostModel) -> CostModel:
+        """``cost_model`` with both terms (``gamma`` less the one document it held)."""
+        return cost_model.with_(ring_step_overhead_s=self.overhead_s, per_document_s=self.per_document_s,
+                                gamma=max(0.0, cost_model.gamma - self.per_document_s))
+
+    def residuals(self, which: str = "after") -> list[float]:
+        """``(measured - predicted) / measured`` per sample, ``before`` or ``after``."""
+        predicted = self.predicted_after if which == "after" else self.predicted_before
+        return [(m - p) / m if m else 0.0 for (_, _, _, m), p in zip(self.samples, predicted)]
+
+
+def fit_ring_terms(base: CostModel, samples: Sequence[tuple[int, int, int, float]], *, layers: int,
+                   lengths_of: Callable[[int, int, int], Sequence[int]] | None = None) -> RingTermsFit:
+    """Fit the ring step overhead and the per-document cost to measured micro-batches.
+
+    ``samples``: ``(D, documents, tokens, seconds)``; ``lengths_of(D, documents, tokens)`` gives
+    the documents' lengths (default: ``documents`` equal parts of ``tokens``, the last one taking
+    the remainder). ``base`` must have neither term (it is the single-sequence fit).
+    """
+    split = lengths_of or _equal_documents
+    rows, rhs, base_pred = [], [], []
+    for d, n, tokens, seconds in samples:
+        b = base.with_(ring_step_overhead_s=0.0, per_document_s=0.0).micro_batch_time(
+            split(d, n, tokens), d, layers=layers)
+        base_pred.append(b)
+        rows.append([layers * (d - 1), layers * (n * d - 1)])
+        rhs.append(seconds - b)
+    x = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    y = np.asarray(rhs, dtype=np.float64)
+    overhead = per_doc = only = 0.0
+    if len(y):
+        from .cost_model import _nonnegative_lstsq  # one solver for every fit of the cost model
+
+        if np.any(x[:, 0] > 0):
+            only = max(0.0, float(np.sum(y * x[:, 0]) / np.sum(x[:, 0] ** 2)))
+        overhead, per_doc = _nonnegative_lstsq(x, y) if np.any(x > 0) else (0.0, 0.0)
+    before = [b + only * r[0] for b, r in zip(base_pred, rows)]
+    after = [b + overhead * r[0] + per_doc * r[1] for b, r in zip(base_pred, rows)]
+    return RingTermsFit(overhead_s=float(overhead), per_document_s=float(per_doc), overhead_only_s=only,
+                        samples=tuple((int(d), int(n), int(t), float(m)) for d, n, t, m in samples),
+                        predicted_before=tuple(before), predicted_after=tuple(after))
+
+
+def _equal_documents(ring_size: int, documents: int, tokens: int) -> list[int]:
+    """``documents`` lengths summing to ``tokens``, as equal as integers allow."""
+    n = max(1, int(documents))
+    base, extra = divmod(int(tokens), n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
 
 
 class ProfileSource(Protocol):
@@ -94,7 +171,12 @@ class Profile:
                 "d2h_bandwidth": s.d2h_bandwidth, "h2d_bandwidth": s.h2d_bandwidth,
                 "p2p_bandwidth": s.p2p_bandwidth, "p2p_latency_s": s.p2p_latency_s,
                 "ring_step_overhead_s": s.ring_step_overhead_s, "device": s.device_name,
-                "hdp_size": s.hdp_size,
+                "hdp_size": s.hdp_size, "per_document_s": s.per_document_s,
+                "ring_micro_batches": None if s.ring_fit is None else {
+                    "samples": [list(x) for x in s.ring_fit.samples],
+                    "predicted_before": list(s.ring_fit.predicted_before),
+                    "predicted_after": list(s.ring_fit.predicted_after),
+                },
             },
             "fit": {
                 "time_r2": self.time_fit.r2, "time_residuals": [list(x) for x in self.time_fit.residuals],
@@ -132,7 +214,8 @@ def fit_profile(samples: ProfileSamples, **cost_model_fields: Any) -> Profile:
     fields_.setdefault("source", (f"bytescale profile on {samples.device_name} at lengths "
                                   f"{[n for n, _ in samples.time_samples]}"))
     p2p = dict(p2p_bandwidth_intra=samples.p2p_bandwidth, p2p_bandwidth_inter=samples.p2p_bandwidth,
-               p2p_latency_s=samples.p2p_latency_s, ring_step_overhead_s=samples.ring_step_overhead_s)
+               p2p_latency_s=samples.p2p_latency_s, ring_step_overhead_s=samples.ring_step_overhead_s,
+               per_document_s=samples.per_document_s)
     if samples.hdp_size < 2:  # nothing measured: keep the caller's (or a neutral) link
         p2p = {k: fields_.pop(k, v) for k, v in p2p.items()}
     cost_model = CostModel.fit(
@@ -140,7 +223,9 @@ def fit_profile(samples: ProfileSamples, **cost_model_fields: Any) -> Profile:
         d2h_bandwidth=samples.d2h_bandwidth, h2d_bandwidth=samples.h2d_bandwidth,
         **{**p2p, **fields_},
     )
-    time_fit = fit_quality(samples.time_samples, cost_model.layer_time)
+    if cost_model.per_document_s:  # a single-sequence timing held one document's cost in gamma
+        cost_model = cost_model.with_(gamma=max(0.0, cost_model.gamma - samples.per_document_s))
+    time_fit = fit_quality(samples.time_samples, lambda n: cost_model.layer_time(n) + cost_model.per_document_s)
     activation_fit = fit_quality(samples.activation_samples, cost_model.activation_bytes)
     return Profile(cost_model=cost_model, samples=samples, time_fit=time_fit,
                    activation_fit=activation_fit,
@@ -200,13 +285,21 @@ def format_report(result: Profile) -> str:
         lines.append(f"  ring P2P {s.p2p_bandwidth / 1e9:.3f} GB/s, latency {s.p2p_latency_s * 1e6:.0f} us, "
                      f"ring step overhead {s.ring_step_overhead_s * 1e3:.3f} ms per layer "
                      f"(over {s.hdp_size} ranks)")
+        lines.append(f"  per document per ring step {s.per_document_s * 1e3:.3f} ms per layer")
+        if s.ring_fit is not None and s.ring_fit.samples:
+            lines.append("  ring micro-batches   measured   before   resid    after   resid")
+            rf = s.ring_fit
+            for (d, n, tokens, m), b, a, rb, ra in zip(rf.samples, rf.predicted_before, rf.predicted_after,
+                                                      rf.residuals("before"), rf.residuals("after")):
+                lines.append(f"  D={d:<3} {n:>3} doc(s) {tokens:>6} tok {m * 1e3:8.1f} ms {b * 1e3:8.1f} "
+                             f"{100 * rb:+6.1f}% {a * 1e3:8.1f} {100 * ra:+6.1f}%")
     lines.append("  length    time/layer      fit    resid   act/layer        fit    resid")
     act = dict(s.activation_samples)
     t_res, a_res = dict(result.time_fit.residuals), dict(result.activation_fit.residuals)
     for n, t in s.time_samples:
         a = act.get(n, math.nan)
         lines.append(
-            f"  {n:>6}  {t * 1e3:9.3f} ms {cm.layer_time(n) * 1e3:9.3f}  {100 * t_res.get(n, 0):+5.1f}%"
+            f"  {n:>6}  {t * 1e3:9.3f} ms {(cm.layer_time(n) + cm.per_document_s) * 1e3:9.3f}  {100 * t_res.get(n, 0):+5.1f}%"
             f"  {a / 1e6:8.3f} MB {cm.activation_bytes(n) / 1e6:9.3f}  {100 * a_res.get(n, 0):+5.1f}%"
         )
     lines += [f"WARNING: {w}" for w in result.warnings]
@@ -230,7 +323,7 @@ class SyntheticSource:
         t = self.truth
         time_samples, activation_samples = [], []
         for i, n in enumerate(lengths):
-            time_samples.append((int(n), self._noisy(t.layer_time(n))))
+            time_samples.append((int(n), self._noisy(t.layer_time(n) + t.per_document_s)))
             activation_samples.append((int(n), self._noisy(t.activation_bytes(n))))
             if progress is not None:
                 progress(f"{i + 1}/{len(lengths)} lengths: {n} tokens")
@@ -239,5 +332,5 @@ class SyntheticSource:
             d2h_bandwidth=t.d2h_bandwidth, h2d_bandwidth=t.h2d_bandwidth,
             p2p_bandwidth=t.p2p_bandwidth_intra, p2p_latency_s=t.p2p_latency_s,
             ring_step_overhead_s=t.ring_step_overhead_s, device_name=self.device_name,
-            hdp_size=self.hdp_size,
+            hdp_size=self.hdp_size, per_document_s=t.per_document_s,
         )

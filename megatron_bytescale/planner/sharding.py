@@ -133,6 +133,7 @@ class ShardingContext:
         return np.asarray(self.cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=self.layers,
             intra_node=d[0] <= self.cost_model.ranks_per_node, node_group=self.node_group(d[0]),
+            num_docs=len(s),
         ), dtype=np.float64).reshape(-1)
 
     def resize(self, unit: Unit, ring_size: int) -> Unit:
@@ -230,7 +231,8 @@ def long_times(lengths: Sequence[int], ring_sizes: Sequence[int], ratios: Sequen
 def pack_times(packs: Iterable[Sequence[int]], ctx: ShardingContext) -> list[float]:
     """Seconds of single-rank packs, vectorised (D = 1, no padding).
 
-    The sums are taken in integers (exact whatever the order) and converted once."""
+    The sums are taken in integers (exact whatever the order) and converted once; each pack's
+    document count feeds the cost model's per-document term."""
     packs = list(packs)
     if not packs:
         return []
@@ -242,5 +244,6 @@ def pack_times(packs: Iterable[Sequence[int]], ctx: ShardingContext) -> list[flo
         starts = (np.cumsum(sizes) - sizes)[full]
         sums[full] = np.add.reduceat(flat, starts)
         sq[full] = np.add.reduceat(flat * flat, starts)
-    out = ctx.cost_model.ring_time_from_sums(sums, sq, np.ones(len(packs)), layers=ctx.layers)
+    out = ctx.cost_model.ring_time_from_sums(sums, sq, np.ones(len(packs)), layers=ctx.layers,
+                                             num_docs=sizes.astype(np.float64))
     return [float(x) for x in np.atleast_1d(out)]

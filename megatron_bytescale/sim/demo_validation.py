@@ -7,7 +7,8 @@ micro-batch's CPU time (``results.json``). Here every step is planned again with
 calibrated cost model (the plan hash must match: same plan, so any difference is the model of
 time, not the plan), simulated with :func:`.step.simulate_step`, and compared:
 
-* **busy time per rank**: CPU seconds in micro-batches; predicted = the sum of the rank's
+* **busy time per rank**: CPU seconds in micro-batches (the rank's compute thread, see
+  :mod:`megatron_bytescale.integration.busy_clock`); predicted = the sum of the rank's
   micro-batch times;
 * **step time, one core per rank**: the slowest rank's busy time (the demo's "tokens/busy-s"
   column), and the ratios static / balance and naive / balance;
@@ -21,7 +22,12 @@ time, not the plan), simulated with :func:`.step.simulate_step`, and compared:
   :func:`fit_residual_terms` fits ``measured = scale * predicted + per_doc_step * documents *
   ring size`` (rings only) to those records: ``scale`` is a slowdown of everything (cores
   shared with the other ranks and other work, which the single-process calibration does not
-  see), ``per_doc_step`` a cost per document per ring step that the cost model does not have.
+  see), ``per_doc_step`` a cost per document per ring step beyond the cost model's own
+  ``per_document_s`` (0 when the calibration measured that term right).
+
+``timing_model`` (:func:`validate_demo`) times the demo's plans with another cost model than the
+one that made them, e.g. :func:`without_document_term`: what the validation would say without
+the per-document term.
 """
 
 from __future__ import annotations
@@ -90,8 +96,11 @@ def validate_mode(
     settings: Mapping[str, Any],
     cost_model: CostModel,
     cores: int,
+    timing_model: CostModel | None = None,
 ) -> ModeValidation:
-    """Replan, simulate and compare every step in ``steps`` (the demo's rows of one mode)."""
+    """Replan, simulate and compare every step in ``steps`` (the demo's rows of one mode);
+    ``timing_model`` (default ``cost_model``) times the plans ``cost_model`` made."""
+    timer = cost_model if timing_model is None else timing_model
     ranks = len(steps[0]["busy_s"])
     measured_busy, predicted_busy = np.zeros(ranks), np.zeros(ranks)
     measured_max = predicted_max = measured_wall = dedicated = shared = 0.0
@@ -107,7 +116,7 @@ def validate_mode(
             context_length=int(settings["context_length"]),
         )  # fmt: skip
         matching += plan.content_hash() == row.get("plan_hash")
-        result = simulate_step(plan, cost_model)
+        result = simulate_step(plan, timer)
         busy = np.asarray(row["busy_s"], dtype=np.float64)
         measured_busy += busy
         predicted_busy += result.rank_busy_s
@@ -116,7 +125,7 @@ def validate_mode(
         measured_wall += float(row.get("phase_wall_s", row["wall_s"]))
         dedicated += result.micro_batch_phase_s
         shared += max(result.micro_batch_phase_s, float(result.rank_busy_s.sum()) / cores)
-        costs = micro_batch_costs(plan, cost_model)
+        costs = micro_batch_costs(plan, timer)
         seconds = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
         documents = {mb.order: len(mb.seqs) for rp in plan.ranks for mb in rp.micro_batches}
         for rank, records in enumerate(row.get("micro_batch_records", [])):
@@ -136,9 +145,17 @@ def validate_mode(
     )  # fmt: skip
 
 
-def validate_demo(results: Mapping[str, Any], *, cores: int | None = None, skip_first: bool = True) -> list[ModeValidation]:
+def without_document_term(cost_model: CostModel) -> CostModel:
+    """``cost_model`` as it was before the per-document term: ``gamma`` takes back the one
+    document a single-sequence calibration timing held (:meth:`.planner.profile.RingTermsFit.apply`)."""
+    return cost_model.with_(per_document_s=0.0, gamma=cost_model.gamma + cost_model.per_document_s)
+
+
+def validate_demo(results: Mapping[str, Any], *, cores: int | None = None, skip_first: bool = True,
+                  timing_model: CostModel | None = None) -> list[ModeValidation]:
     """Every dataset x mode of a demo ``results.json`` (the first step of each mode is left out,
-    as in the demo's own table: it pays one-time set-up costs)."""
+    as in the demo's own table: it pays one-time set-up costs); ``timing_model``: see
+    :func:`validate_mode`."""
     cost_model = CostModel.from_dict(results["calibration"]["cost_model"])
     settings = results["settings"]
     cores = int(cores or results.get("cpu_count") or 1)
@@ -149,7 +166,8 @@ def validate_demo(results: Mapping[str, Any], *, cores: int | None = None, skip_
                 continue
             steps = data["modes"][mode]["steps"]
             steps = steps[1:] if skip_first and len(steps) >= 3 else steps
-            out.append(validate_mode(dataset, mode, steps, settings=settings, cost_model=cost_model, cores=cores))
+            out.append(validate_mode(dataset, mode, steps, settings=settings, cost_model=cost_model, cores=cores,
+                                     timing_model=timing_model))
     return out
 
 
@@ -171,22 +189,22 @@ class RatioCheck:
         return self.predicted / self.measured - 1.0 if self.measured > 0 else math.nan
 
 
+RATIOS = (("static", "balance"), ("naive", "balance"), ("static", "naive"))
+
+
 def ratio_checks(validations: Sequence[ModeValidation]) -> list[RatioCheck]:
-    """static / balance and naive / balance, busy and wall, per dataset."""
+    """static / balance, naive / balance and static / naive, busy and wall, per dataset."""
     by = {(v.dataset, v.mode): v for v in validations}
     out = []
     for dataset in dict.fromkeys(v.dataset for v in validations):
-        base = by.get((dataset, "balance"))
-        if base is None:
-            continue
-        for mode in ("static", "naive"):
-            v = by.get((dataset, mode))
-            if v is None:
+        for mode, other in RATIOS:
+            v, base = by.get((dataset, mode)), by.get((dataset, other))
+            if v is None or base is None:
                 continue
-            out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / balance", kind="busy",
+            out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / {other}", kind="busy",
                                   measured=v.measured_max_busy_s / base.measured_max_busy_s,
                                   predicted=v.predicted_max_busy_s / base.predicted_max_busy_s))
-            out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / balance", kind="wall",
+            out.append(RatioCheck(dataset=dataset, ratio=f"{mode} / {other}", kind="wall",
                                   measured=v.measured_phase_wall_s / base.measured_phase_wall_s,
                                   predicted=v.predicted_phase_shared_s / base.predicted_phase_shared_s))
     return out

@@ -21,10 +21,13 @@ are the same kind of arithmetic as the cost model's, built from the same links:
 * **Optimizer**: ``optimizer_s_per_param`` seconds per parameter this rank updates (all of
   them, or 1/N of them under ZeRO-1). Adam reads and writes about 30 bytes per parameter
   (fp32 master weight, two moments and gradient; bf16 weight), memory-bound.
-* **Data and plan wait**: ``load_s`` (reading and preparing the next global batch) plus the
-  time to plan it. Without lookahead both are on the critical path; with lookahead (the plan
-  of step t + 1 is made while step t trains, paper §6 "remote dataloader with CPU prefetch")
-  only the part longer than the step itself is.
+* **Data and plan wait**: ``load_s`` (reading and preparing the next global batch) plus
+  ``plan_s``, the time the cluster's planner takes per step. Both are input parameters, never
+  a time measured on the machine that runs the simulator: a simulated step must not change
+  with that machine's speed or load (the simulator reports its own planning wall time
+  separately, :attr:`.step.StepResult.planner_wall_s`). Without lookahead both are on the
+  critical path; with lookahead (the plan of step t + 1 is made while step t trains, paper
+  §6 "remote dataloader with CPU prefetch") only the part longer than the step itself is.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class StepOverheads:
     load_s: float = 0.0
     """Seconds per step to read and prepare the next global batch, planning excluded."""
     plan_s: float | None = None
-    """Seconds to plan a step; None: the simulator's measured planning time of that plan."""
+    """Seconds the cluster's planner takes per step (a modelled input); None: the ``plan_s``
+    given to :func:`.step.simulate_step` (0 unless the caller models it)."""
 
     def __post_init__(self) -> None:
         for name in ("params_per_rank", "grad_bytes_per_param", "param_bytes_per_param",

@@ -1,9 +1,11 @@
 """The paper's evaluation setups and reported numbers (ByteScale §8, paper.md §7), as data.
 
-Everything here is quoted from the paper (``[P]`` in ``reference/paper.md``) except where a
-comment says it is our reading. The paper hides its hardware; the setups use the planner's
-H100-class preset (:data:`megatron_bytescale.planner.presets.H100`) and the preset TP/PP of
-every model (:mod:`megatron_bytescale.planner.presets`), which the reproduction states.
+Everything here is quoted from the paper (``[P]`` in ``reference/paper.md``, ``[F]`` for figure
+readings) except where a comment says it is our reading. The paper hides its hardware; the
+setups use the hardware preset fitted to the paper's own measurements
+(:data:`megatron_bytescale.planner.presets.PAPER_FIT`, ``scripts/fit_network.py``; the
+H100 datasheet preset with ``hardware="h100"``) and the preset TP/PP of every model
+(:mod:`megatron_bytescale.planner.presets`), which the reproduction states.
 """
 
 from __future__ import annotations
@@ -46,22 +48,35 @@ CASE_STUDY: dict[str, Any] = {
     "naive_rank_std_s": 68, "static_comm_fraction": 0.976, "static_micro_batches_per_rank": 8,
     "naive_over_balance": 2.3,
 }
+#: Fig. 18 [F] per ring step: the baseline's CP-256 rings (8K tokens per rank: a 32 MiB K/V
+#: block of LLaMA-7B at TP 1) compute 304-307 us and exchange 406-423 us; naive's 312K sequence
+#: on 39 ranks computes 2.8-4.4 ms and exchanges 1.4-1.9 ms per step.
+FIG18: dict[str, tuple[float, float]] = {
+    "static_p2p_step_s": (406e-6, 423e-6), "static_compute_step_s": (304e-6, 307e-6),
+    "naive_compute_step_s": (2.8e-3, 4.4e-3), "naive_p2p_step_s": (1.4e-3, 1.9e-3),
+}
+FIG18_NAIVE_SEQUENCE = 312 * K
+"""The naive example sequence of Fig. 18, on 312K / 8K = 39 ranks."""
+#: The hardware preset of every simulated figure (fitted to the numbers above).
+PAPER_HARDWARE = "paper-fit"
 #: §8.5 ablation (Fig. 20), cumulative speedup over MegaScale in the case-study setup.
 ABLATION_SPEEDUP: dict[str, float] = {
     "static": 1.00, "naive": 1.59, "naive+offload": 2.01, "balance": 3.69, "balance+lookahead": 3.89,
 }
 
 
-def paper_setup(model: str, gpus: int | None = None, **cost_model_changes: Any) -> ClusterSetup:
+def paper_setup(model: str, gpus: int | None = None, *, hardware: str = PAPER_HARDWARE,
+                **cost_model_changes: Any) -> ClusterSetup:
     """The cluster of a Fig. 17 panel: ``gpus`` (default the paper's) split into HDP ranks of
-    the preset's TP x PP, C = 8K, the H100-class preset with ``cost_model_changes`` applied
-    (e.g. ``p2p_bandwidth_inter``), ZeRO-1 gradient reduction and Adam."""
+    the preset's TP x PP, C = 8K, the ``hardware`` preset (default the one fitted to the paper)
+    with ``cost_model_changes`` applied (e.g. ``p2p_bandwidth_inter``), ZeRO-1 gradient
+    reduction and Adam. No planning time is modelled (``StepOverheads.plan_s`` 0)."""
     spec = model_spec(model)
     tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
     gpus = FIG17_GPUS[model] if gpus is None else gpus
     if gpus % (tp * pp):
         raise ValueError(f"{gpus} GPUs do not split into TP {tp} x PP {pp} replicas of {model}")
-    cm = preset_cost_model(model)
+    cm = preset_cost_model(model, hardware)
     if cost_model_changes:
         cm = cm.with_(**cost_model_changes)
     return ClusterSetup(

@@ -10,13 +10,15 @@ from .sweep import Summary, format_tokens
 HEADERS = [
     "context", "variant", "step (s)", "tokens/s/GPU", "x first", "micro-batches (s)",
     "grad reduce (s)", "data wait (s)", "balance", "busy max/mean (s)", "compute",
-    "exposed comm", "idle", "P2P",
+    "exposed comm", "idle", "P2P", "planner wall here (s)",
 ]
 NOTE = (
     "'x first' = throughput over the first variant at that context; 'micro-batches' = the "
     "slowest rank's micro-batch phase; 'balance' = that phase over total busy rank-seconds / "
     "ranks; 'compute', 'exposed comm' and 'idle' = shares of the phase's GPU-seconds (the rest "
-    "is ring step overhead and exposed offload); P2P = ring bytes of one TP rank's group"
+    "is ring step overhead and exposed offload); P2P = ring bytes of one TP rank's group; "
+    "'planner wall here' = the planner's wall time on this machine, in no simulated time "
+    "('data wait' holds only the modelled --load-s and --plan-time-s)"
 )
 
 
@@ -44,6 +46,7 @@ def rows(summaries: Sequence[Summary]) -> list[list[str]]:
             f"{s.micro_batch_phase_s:.3g}", f"{s.grad_reduce_s:.3g}", f"{s.data_wait_s:.3g}",
             f"{s.balance_ratio:.2f}", f"{s.max_rank_busy_s:.3g}/{s.mean_rank_busy_s:.3g}",
             _pct(f.get("compute")), _pct(f.get("exposed_comm")), _pct(f.get("idle")), fmt_bytes(s.p2p_bytes),
+            "-" if math.isnan(s.planner_wall_s) else f"{s.planner_wall_s:.3g}",
         ])  # fmt: skip
     return out
 

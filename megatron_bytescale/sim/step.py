@@ -55,7 +55,7 @@ class StepResult:
     data_wait_s: float
     """Exposed data loading and planning."""
     plan_s: float
-    """Planning time of this step (exposed or hidden)."""
+    """Modelled planning time of this step on the cluster (an input; exposed or hidden)."""
     lookahead: bool
     rank_busy_s: np.ndarray
     rank_finish_s: np.ndarray
@@ -73,6 +73,9 @@ class StepResult:
     """Ring size -> number of micro-batches with it."""
     offloaded_micro_batches: int
     meta: dict[str, Any] = field(default_factory=dict)
+    planner_wall_s: float | None = None
+    """Planner wall time on the machine that ran the simulator (information only: it is in no
+    simulated time, which depends on the modelled cluster alone)."""
 
     @property
     def num_gpus(self) -> int:
@@ -105,6 +108,7 @@ class StepResult:
             "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "micro_batch_phase_s": self.micro_batch_phase_s, "grad_reduce_s": self.grad_reduce_s,
             "optimizer_s": self.optimizer_s, "data_wait_s": self.data_wait_s, "plan_s": self.plan_s,
+            "planner_wall_s": self.planner_wall_s,
             "lookahead": self.lookahead, "lower_bound_s": self.lower_bound_s,
             "balance_ratio": self.balance_ratio, "critical_path_s": self.critical_path_s,
             "max_rank_busy_s": float(self.rank_busy_s.max()) if len(self.rank_busy_s) else 0.0,
@@ -134,6 +138,7 @@ def simulate_step(
     tensor_parallel_size: int = 1,
     topology: Topology | None = None,
     name: str | None = None,
+    planner_wall_s: float | None = None,
 ) -> StepResult:
     """Simulate one training step of ``plan`` (see the module docstring).
 
@@ -143,13 +148,15 @@ def simulate_step(
         cost_model: the model the times come from (the one the plan was made with, or another
             one to ask "what if this plan ran on that cluster").
         overheads: gradient reduction, optimizer and data terms (default: none of them).
-        plan_s: seconds it took to plan this step (``overheads.plan_s`` wins when set).
+        plan_s: modelled seconds the cluster's planner takes for this step (``overheads.plan_s``
+            wins when set); an input, never this machine's measured time.
         lookahead: the plan and data were prepared during the previous step.
         tensor_parallel_size: GPUs per pipeline stage (only for per-GPU throughput).
         topology: where the HDP ranks sit (default: the plan's ``meta["topology"]``, else the
             cost model's ``ranks_per_node``): ring steps and the gradient reduction run at the
             NVLink rate only when all their ranks share a node.
         name: label of the result (default: the plan's scheduler).
+        planner_wall_s: how long planning took on this machine; stored for reports only.
     """
     overheads = overheads or StepOverheads()
     if overheads.plan_s is not None:
@@ -165,6 +172,7 @@ def simulate_step(
     terms = cost_model.ring_time_terms(
         costs.sum_p, costs.sum_p2, costs.ring_sizes, layers=plan.layers_per_stage,
         offload_ratio=costs.offload, intra_node=costs.intra_node, node_group=costs.node_group,
+        num_docs=costs.num_docs if costs.num_docs is not None else 1,
     )
     members = costs.ring_sizes.astype(np.float64) * pp  # GPU-seconds: every member, every stage
     breakdown = {
@@ -206,6 +214,7 @@ def simulate_step(
         offloaded_micro_batches=int(np.sum(costs.offload > 0)),
         meta={k: plan.meta[k] for k in ("cp_size", "dp_size", "mode", "assignment", "widened_units",
                                         "dropped_tokens", "truncated_tokens") if k in plan.meta},
+        planner_wall_s=planner_wall_s,
     )
 
 

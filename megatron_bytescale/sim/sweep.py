@@ -44,6 +44,9 @@ class Summary:
     optimizer_s: float = math.nan
     data_wait_s: float = math.nan
     plan_s: float = math.nan
+    """Modelled planning time per step (an input, see :class:`.overheads.StepOverheads`)."""
+    planner_wall_s: float = math.nan
+    """Planner wall time per step on this machine (in no simulated time)."""
     balance_ratio: float = math.nan
     fractions: dict[str, float] = field(default_factory=dict)
     """Share of micro-batch GPU-seconds per :data:`.step.BREAKDOWN_TERMS` term (and ``comm``)."""
@@ -68,7 +71,8 @@ class Summary:
             step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
             tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, micro_batch_phase_s=self.micro_batch_phase_s,
             grad_reduce_s=self.grad_reduce_s, optimizer_s=self.optimizer_s, data_wait_s=self.data_wait_s,
-            plan_s=self.plan_s, balance_ratio=self.balance_ratio, fractions=dict(self.fractions),
+            plan_s=self.plan_s, planner_wall_s=self.planner_wall_s, balance_ratio=self.balance_ratio,
+            fractions=dict(self.fractions),
             max_rank_busy_s=self.max_rank_busy_s, mean_rank_busy_s=self.mean_rank_busy_s,
             min_rank_busy_s=self.min_rank_busy_s, p2p_bytes=self.p2p_bytes,
             step_results=[r.to_dict(per_rank=per_rank) for r in self.results],
@@ -101,7 +105,8 @@ def run_sweep(
         where = f"context {format_tokens(context)}, " if context else ""
         if outcome.result is not None:
             r = outcome.result
-            what = f"step {r.step_time_s:.3g} s, {r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (planned in {r.plan_s:.2f} s)"
+            what = (f"step {r.step_time_s:.3g} s, {r.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
+                    f"(planner wall time on this machine {r.planner_wall_s or 0.0:.2f} s)")
         else:
             what = "not applicable"
         progress(f"[{done[0]}/{total}] {where}step {step}, {outcome.variant.name}: {what}; eta {eta:.0f} s")
@@ -155,6 +160,7 @@ def _summary(variant: Variant, context: int | None, results: list[StepResult]) -
         optimizer_s=mean([r.optimizer_s for r in results]),
         data_wait_s=mean([r.data_wait_s for r in results]),
         plan_s=mean([r.plan_s for r in results]),
+        planner_wall_s=mean([r.planner_wall_s if r.planner_wall_s is not None else math.nan for r in results]),
         balance_ratio=mean([r.balance_ratio for r in results]),
         fractions={t: (totals[t] / gpu_s if gpu_s > 0 else 0.0) for t in totals},
         max_rank_busy_s=mean([float(r.rank_busy_s.max()) for r in results]),

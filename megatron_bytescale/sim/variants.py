@@ -18,8 +18,9 @@ balance+lookahead  balance   Eq. 3   yes       the next step planned while this 
 
 The last four are the paper's ablation (Fig. 20) in order. Every variant plans the same global
 batch with the planner's real scheduler (a timing-only plan, no token pieces) and is timed by
-:func:`.step.simulate_step`. Planning time is measured on this machine unless
-:attr:`.StepOverheads.plan_s` fixes it; a variant without lookahead waits for it.
+:func:`.step.simulate_step`. The planner's wall time on this machine is measured and reported
+(:attr:`.StepResult.planner_wall_s`) but is in no simulated step: a step waits only for the
+modelled planning time :attr:`.StepOverheads.plan_s` (0 by default), hidden by lookahead.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class VariantOutcome:
 
 
 def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_length: int | None = None) -> tuple[Any, float]:
-    """The variant's timing-only plan of ``lengths`` and the seconds planning took."""
+    """The variant's timing-only plan of ``lengths`` and the seconds planning took on this
+    machine (for reports; a simulated step never contains it)."""
     start = time.perf_counter()
     plan = make_plan(
         lengths, scheduler=variant.scheduler, hdp_size=setup.hdp_size, capacity=setup.capacity,
@@ -158,7 +160,7 @@ def simulate_variants(
         else:
             plan, seconds = planned
             outcome = VariantOutcome(variant=variant, result=simulate_step(
-                plan, setup.cost_model, overheads=setup.overheads, plan_s=seconds,
+                plan, setup.cost_model, overheads=setup.overheads, planner_wall_s=seconds,
                 lookahead=variant.lookahead, tensor_parallel_size=setup.tensor_parallel_size,
                 topology=setup.topology, name=variant.name,
             ))

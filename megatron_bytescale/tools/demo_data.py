@@ -3,6 +3,8 @@
 * ``stdlib`` (default): the Python standard library's source, one document per definition
   (see :mod:`megatron_bytescale.data.corpus` for why not whole files); ``stdlib-files``: one
   document per file.
+* ``synthetic-rings``: a ring-heavy mix (:func:`ring_heavy_documents`), where HDP balance beats
+  Alg. 1 on 4 ranks;
 * ``synthetic-github`` / ``synthetic-byted``: lengths from :mod:`megatron_bytescale.data.synthetic`
   (the paper's GitHub / Byted statistics at a 2M context and C = 8K) scaled by
   ``capacity / 8192`` so that a sequence needs as many demo ranks as it would need 8K-token
@@ -47,6 +49,27 @@ def synthetic_documents(name: str, settings: DemoSettings, *, seed: int) -> Iter
             yield rng.integers(0, BYTE_VOCAB_SIZE, n, dtype=np.int64)
 
 
+RING_FRACTION = 0.3
+"""Share of ``synthetic-rings`` documents longer than C (each needs a ring)."""
+
+
+def ring_heavy_documents(settings: DemoSettings, *, seed: int) -> Iterator[np.ndarray]:
+    """Random-byte documents of a ring-heavy mix: :data:`RING_FRACTION` of them between C + 1
+    and 4C tokens (at most the context), the rest 8 to 400 / 512 * C tokens. Alg. 1 puts every
+    ring on the lowest free ranks and the short packs on the others, so its ranks end at
+    different times; this is the mix where HDP balance has something to fix on 4 CPU ranks."""
+    rng = np.random.default_rng(seed)
+    c = settings.capacity
+    long_hi = min(4 * c, settings.context_length)
+    short_hi = max(9, round(400 * c / 512))
+    while True:
+        if rng.random() < RING_FRACTION and long_hi > c:
+            n = int(rng.integers(c + 1, long_hi + 1))
+        else:
+            n = int(rng.integers(8, short_hi + 1))
+        yield rng.integers(0, BYTE_VOCAB_SIZE, n, dtype=np.int64)
+
+
 def documents_for(name: str, settings: DemoSettings) -> tuple[Iterator[np.ndarray], str]:
     """The document stream of dataset ``name`` and a one-line description of it."""
     seed = settings.seed
@@ -64,6 +87,11 @@ def documents_for(name: str, settings: DemoSettings) -> tuple[Iterator[np.ndarra
         return synthetic_documents(name, settings, seed=seed), (
             f"paper's {name.split('-')[1]} length mix scaled by C/{PAPER_CAPACITY}, random bytes"
         )
+    if name == "synthetic-rings":
+        return ring_heavy_documents(settings, seed=seed), (
+            f"ring-heavy mix: {RING_FRACTION:.0%} of documents of C+1..4C tokens, the rest 8..400 "
+            "tokens (scaled by C/512), random bytes"
+        )
     if name.endswith(".jsonl"):
         from megatron_bytescale.planner.inputs import check_regular_file
 
@@ -75,7 +103,7 @@ def documents_for(name: str, settings: DemoSettings) -> tuple[Iterator[np.ndarra
         return indexed_documents(name), f"Megatron indexed dataset {name}"
     raise ValueError(
         f"--data {name!r} is neither a built-in dataset (stdlib, stdlib-files, synthetic-github, "
-        "synthetic-byted), a .jsonl file, nor a Megatron indexed prefix (PREFIX.bin + PREFIX.idx)"
+        "synthetic-byted, synthetic-rings), a .jsonl file, nor a Megatron indexed prefix (PREFIX.bin + PREFIX.idx)"
     )
 
 

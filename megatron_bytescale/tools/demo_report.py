@@ -6,7 +6,8 @@ set-up costs):
 * tokens/s: global-batch tokens / step wall time (first rank starting the step to the last
   finishing it, optimizer included, planning excluded). On the CPU demo 4 ranks share 2 cores,
   so wall time also counts time a rank waited for a core;
-* busy time: CPU seconds (``time.process_time``) a rank spent in its micro-batches, the max
+* busy time: CPU seconds (the thread's CPU time with one torch thread, see
+  :mod:`megatron_bytescale.integration.busy_clock`) a rank spent in its micro-batches, the max
   and the mean over ranks; max is what the slowest rank needs, max/mean the imbalance;
 * tokens per busy-second: tokens / max busy time, the throughput if every rank had its own core;
 * P2P: bytes sent by all ranks in ring attention per step;

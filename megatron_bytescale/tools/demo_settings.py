@@ -17,7 +17,7 @@ MODES = ("static", "naive", "balance", "offload")
 """Every mode the demo knows; ``offload`` is HDP balance with selective activation offload."""
 DEFAULT_MODES = ("static", "naive", "balance")
 DEFAULT_TIMEOUT_MINUTES = 3.0
-BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "synthetic-github", "synthetic-byted", "synthetic-rings")
 MAX_DEMO_TOKENS = 2**24
 """Most tokens of all steps together (16.8M): the launcher and every rank hold them all, and
 a CPU trains some thousands of tokens per second."""
@@ -62,6 +62,10 @@ class DemoSettings:
     distributed_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
     """How long a collective of the HDP group waits for a rank that does not answer (gloo's own
     default is 30 minutes); then the job stops naming that rank."""
+    interleave_modes: bool = False
+    """Run step 1 of every mode, then step 2 of every mode, ... instead of one mode after the
+    other: on a machine whose load drifts, every mode then sees the same load (the simulator's
+    validation runs it so)."""
     calibration_lengths: tuple[int, ...] = ()
     """Empty: C/8, C/4, C/2, C, 2C and 4C (up to the context length): the quadratic term
     is only measurable at the long lengths the rings carry."""

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -190,23 +190,42 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             "time_samples": calibration.time_samples,
             "p2p_bandwidth": calibration.p2p_bandwidth,
             "p2p_latency_s": calibration.p2p_latency_s,
+            # the ring terms' fit: (D, documents, tokens, seconds) with predictions before/after
+            "ring_fit": None if getattr(calibration, "ring_fit", None) is None else {
+                "samples": [list(x) for x in calibration.ring_fit.samples],
+                "before": list(calibration.ring_fit.predicted_before),
+                "after": list(calibration.ring_fit.predicted_after),
+            },
         },
         "datasets": {},
     }
     for name, batches, description in datasets:
-        modes = {}
-        for mode in settings.modes:
-            modes[mode] = train_mode(
+        runs = {
+            mode: mode_steps(
                 mode, name, batches, settings=settings, config=config, manager=manager,
                 model_config=model_config, initial_state=initial_state, vocab_size=vocab_size,
                 cost_model=calibration.cost_model, printer=printer,
             )  # fmt: skip
+            for mode in settings.modes
+        }
+        rows: dict[str, list] = {mode: [] for mode in settings.modes}
+        if settings.interleave_modes:
+            # step 1 of every mode, then step 2 of every mode, ...: a machine whose load drifts
+            # during the run slows every mode alike instead of whichever ran last
+            for _ in range(settings.steps):
+                for mode, run in runs.items():
+                    rows[mode].append(next(run))
+        else:
+            for mode, run in runs.items():
+                rows[mode] = list(run)
+        modes = {mode: {"label": MODE_LABELS[mode], "steps": [r for r in rows[mode] if r is not None]}
+                 for mode in settings.modes}
         results["datasets"][name] = {"description": description, "modes": modes}
     printer.finish()
     return results
 
 
-def train_mode(
+def mode_steps(
     mode: str,
     dataset: str,
     batches: list,
@@ -219,8 +238,12 @@ def train_mode(
     vocab_size: int,
     cost_model: Any,
     printer: "StepPrinter",
-) -> dict[str, Any]:
-    """Train ``settings.steps`` steps of one mode from the shared initial weights.
+) -> Iterator[dict[str, Any] | None]:
+    """Train ``settings.steps`` steps of one mode from the shared initial weights, yielding each
+    step's row (rank 0; ``None`` on the other ranks) as soon as it is done.
+
+    Nothing is built before the first ``next``; every rank must advance the modes in the same
+    order (the steps are collective).
 
     Every mode runs with an activation offloader, so the saved activations each rank keeps
     resident are measured the same way everywhere; only the ``offload`` mode (HDP balance with
@@ -250,7 +273,6 @@ def train_mode(
         check_plan_hash=config.check_plan_hash, prefetch=config.plan_prefetch,
     )  # fmt: skip
     counters = CommCounters()
-    rows = []
     for _ in range(settings.steps):
         plan_start = time.perf_counter()
         step = next(iterator)
@@ -281,9 +303,10 @@ def train_mode(
                 num_layers=settings.num_layers,
             )  # fmt: skip
             row = step_row(step, gathered, p2p_bytes_formula=formula)
-            rows.append(row)
             printer.step(dataset, mode, row)
-    return {"label": MODE_LABELS[mode], "steps": rows}
+            yield row
+        else:
+            yield None
 
 
 def step_row(

@@ -162,7 +162,8 @@ def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     if args.cost_model:
         cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
     else:
-        cm = preset_cost_model(model, tensor_parallel_size=args.tensor_model_parallel_size)
+        cm = preset_cost_model(model, getattr(args, "hardware", "h100"),
+                               tensor_parallel_size=args.tensor_model_parallel_size)
         pp = args.pp_size or model_spec(model).pipeline_parallel_size
     if getattr(args, "two_level_ring", False):
         cm = cm.with_(two_level_ring=True)

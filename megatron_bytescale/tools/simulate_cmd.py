@@ -69,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--load-s", type=float, default=0.0,
                      help="seconds per step to read the next global batch (hidden by lookahead; default 0)")
     sim.add_argument("--plan-time-s", type=float, default=None,
-                     help="seconds per step to plan (default: the planning time measured here)")
+                     help="seconds the cluster's planner takes per step, a modelled input hidden by "
+                          "lookahead (default 0; the planner wall time on this machine is reported "
+                          "separately and never added to a simulated step)")
+    sim.add_argument("--hardware", default="h100", choices=["h100", "paper-fit"],
+                     help="GPU and network preset for --model: h100 (datasheet rates, default) or "
+                          "paper-fit (fitted to the paper's own measurements, what docs/reproduction.md "
+                          "simulates the paper's figures with)")
     links = p.add_argument_group("links (override the cost model)")
     links.add_argument("--inter-node-bandwidth", type=float, default=None, metavar="GB/s",
                        help="P2P bandwidth between nodes, one direction, per GPU")

@@ -47,7 +47,10 @@ def _body(rank: int, world: int) -> dict:
     )  # fmt: skip
     out = {"model": calibration.cost_model.to_dict(), "device": calibration.device_name,
            "time": calibration.time_samples, "act": calibration.activation_samples,
-           "d2h": calibration.d2h_bandwidth, "rings": calibration.ring_samples}  # fmt: skip
+           "d2h": calibration.d2h_bandwidth, "rings": calibration.ring_samples,
+           "documents": calibration.document_samples,
+           "fit": None if calibration.ring_fit is None else (
+               calibration.ring_fit.residuals("before"), calibration.ring_fit.residuals("after"))}  # fmt: skip
     # the decoder's numbers do not depend on the vocabulary; a naive count would
     tokens = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(1))
     mb = single_sequence_micro_batch(manager, [manager.hdp.rank], tokens)
@@ -91,3 +94,18 @@ def test_activation_bytes_are_layer_storages_linear_in_length(results):
     assert small == big, "the embedding / LM head leaked into the decoder's activations"
     # saved-tensor hooks see parameters and views of one storage many times: not counted here
     assert results[0]["naive_act"] > 1.3 * small
+
+
+def test_many_document_micro_batches_are_timed_and_their_term_fitted(results):
+    """Micro-batches of many short documents (on the ring and as a local pack) are measured next to
+    single sequences, and the fitted per-document term explains them at least as well as the
+    ring step overhead alone did."""
+    docs = results[0]["documents"]
+    kinds = {(d, n > 1) for d, n, _, _ in docs}
+    assert kinds == {(2, False), (2, True), (1, True)}, docs
+    assert all(t > 0 and s > 0 for _, _, t, s in docs)
+    model = results[0]["model"]
+    assert model["per_document_s"] >= 0 and results[1]["model"] == model
+    before, after = results[0]["fit"]
+    assert len(before) == len(after) == len(docs)
+    assert sum(r * r for r in after) <= sum(r * r for r in before) + 1e-12

@@ -88,3 +88,51 @@ def test_the_written_model_is_what_the_planner_reads(tmp_path):
     report = json.loads(json.dumps(result.to_dict()))
     assert report["fit"]["time_r2"] == pytest.approx(1.0)
     assert "R^2" in format_report(result)
+
+
+def test_fit_ring_terms_recovers_overhead_and_per_document_cost():
+    """Samples played from a model with both terms: the joint fit recovers them exactly, the
+    overhead-only fit ("before") cannot explain the many-document micro-batches."""
+    from megatron_bytescale.planner.profile import fit_ring_terms
+
+    truth = small_cost_model().with_(ring_step_overhead_s=2e-3, per_document_s=5e-4)
+    base = truth.with_(ring_step_overhead_s=0.0, per_document_s=0.0, gamma=truth.gamma + 5e-4)
+    layers = 4
+    cases = [(2, 1, 512), (2, 1, 1024), (4, 1, 2048), (4, 32, 2048), (2, 32, 1024), (1, 32, 512)]
+    samples = []
+    for d, n, tokens in cases:
+        parts = [tokens // n] * n
+        samples.append((d, n, tokens, truth.micro_batch_time(parts, d, layers=layers)))
+    fit = fit_ring_terms(base, samples, layers=layers)
+    assert fit.overhead_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit.per_document_s == pytest.approx(5e-4, rel=1e-6)
+    assert max(abs(r) for r in fit.residuals("after")) < 1e-9
+    assert max(abs(r) for r in fit.residuals("before")) > 0.05
+    # the applied model gives gamma back the one document a single-sequence timing held
+    applied = fit.apply(base)
+    assert applied.gamma == pytest.approx(truth.gamma)
+    for d, n, tokens, seconds in samples:
+        assert applied.micro_batch_time([tokens // n] * n, d, layers=layers) == pytest.approx(seconds)
+
+
+def test_report_shows_ring_micro_batches_before_and_after():
+    import dataclasses
+
+    from megatron_bytescale.planner.profile import fit_profile, fit_ring_terms
+
+    truth = small_cost_model().with_(ring_step_overhead_s=2e-3, per_document_s=5e-4)
+    samples = SyntheticSource(truth, hdp_size=4).measure([256, 512, 1024, 2048])
+    base = truth.with_(ring_step_overhead_s=0.0, per_document_s=0.0, gamma=truth.gamma + 5e-4)
+    ring = [(d, n, t, truth.micro_batch_time([t // n] * n, d, layers=4)) for d, n, t in
+            [(2, 1, 1024), (4, 1, 2048), (4, 32, 2048), (1, 32, 512)]]
+    fit = fit_ring_terms(base, ring, layers=4)
+    samples = dataclasses.replace(samples, per_document_s=fit.per_document_s,
+                                  ring_step_overhead_s=fit.overhead_s, ring_fit=fit)
+    result = fit_profile(samples, num_layers=4, kv_bytes_per_token=64.0)
+    assert result.cost_model.per_document_s == pytest.approx(5e-4)
+    assert result.cost_model.gamma == pytest.approx(truth.gamma, rel=1e-6)
+    text = format_report(result)
+    assert "per document per ring step 0.500 ms per layer" in text
+    line = next(l for l in text.splitlines() if l.strip().startswith("D=4") and "32 doc(s)" in l)
+    assert line.split()[-1] in ("+0.0%", "-0.0%") and line.split()[-3] == "+46.0%"  # after exact, before off
+    assert result.to_dict()["samples"]["ring_micro_batches"]["samples"][2] == [4, 32, 2048, pytest.approx(ring[2][3])]

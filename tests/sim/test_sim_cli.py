@@ -104,3 +104,18 @@ def test_bytescale_lists_simulate():
     res = subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "simulate" in res.stdout
+
+
+def test_cli_hardware_preset_fitted_to_the_paper(capsys):
+    """--hardware paper-fit plans with the fitted preset: same batch, slower GPUs and the straggler
+    wait, so every variant's step is longer than on the datasheet preset."""
+    argv = ["--hdp-size", "64", "--global-tokens", "2000000", "--context-length", "262144",
+            "--variants", "static,balance", "--quiet"]
+    steps = {}
+    for hw in ("h100", "paper-fit"):
+        assert main([*argv, "--hardware", hw]) == 0
+        out = capsys.readouterr().out
+        assert f"@{hw}" in out.splitlines()[0]
+        steps[hw] = {l.split()[1]: float(l.split()[2]) for l in out.splitlines()[3:5]}
+    assert set(steps["h100"]) == {"static", "balance"}
+    assert all(steps["paper-fit"][v] > steps["h100"][v] for v in ("static", "balance"))

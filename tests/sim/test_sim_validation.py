@@ -84,3 +84,18 @@ def test_validation_needs_recorded_lengths():
                 del step["lengths"]
     with pytest.raises(ValueError, match="no per-step lengths; rerun bytescale demo"):
         validate_demo(results)
+
+
+def test_without_document_term_keeps_single_sequences_and_drops_the_rest():
+    from megatron_bytescale.planner.presets import preset_cost_model
+    from megatron_bytescale.sim.demo_validation import without_document_term
+
+    cm = preset_cost_model("llama-7b").with_(per_document_s=1e-3)
+    old = without_document_term(cm)
+    assert old.per_document_s == 0.0 and old.gamma == pytest.approx(cm.gamma + 1e-3)
+    # a single sequence on one rank is what the calibration timed: the same under both models
+    assert old.micro_batch_time([4096], 1, layers=4) == pytest.approx(cm.micro_batch_time([4096], 1, layers=4))
+    # 10 documents on a ring of 4: 4 * 10 - 1 kernel calls more per layer with the term
+    lengths = [800] * 10
+    extra = cm.micro_batch_time(lengths, 4, layers=4) - old.micro_batch_time(lengths, 4, layers=4)
+    assert extra == pytest.approx(4 * 1e-3 * (10 * 4 - 1))

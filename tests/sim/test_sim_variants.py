@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -119,3 +120,31 @@ def test_token_counts_parse_and_format():
         with pytest.raises(ValueError):
             parse_tokens(bad)
     assert format_tokens(262144) == "256K" and format_tokens(2097152) == "2M" and format_tokens(1000) == "1,000"
+
+
+def test_simulated_step_does_not_depend_on_this_machines_clock(byted_batch, monkeypatch):
+    """Planning here is slow or fast with the machine's load; no simulated time may move with it.
+    The planner wall time is reported apart, and a modelled plan_s is the only planning cost."""
+    import megatron_bytescale.sim.variants as variants_mod
+
+    cm = preset_cost_model("llama-7b")
+    setup = ClusterSetup(hdp_size=64, capacity=8192, cost_model=cm)
+    names = ["static", "naive", "balance", "balance+lookahead"]
+
+    def run(tick: float) -> dict:
+        clock = iter(float(i) * tick for i in range(10_000))
+        monkeypatch.setattr(variants_mod.time, "perf_counter", lambda: next(clock))
+        out = simulate_variants(byted_batch, parse_variants(names), setup, context_length=262144)
+        return {o.variant.name: o.result for o in out}
+
+    fast, slow = run(1e-6), run(1e3)
+    for name in names:
+        assert slow[name].planner_wall_s == pytest.approx(1e3) and fast[name].planner_wall_s == pytest.approx(1e-6)
+        assert slow[name].step_time_s == fast[name].step_time_s, name
+        assert slow[name].data_wait_s == 0.0 and slow[name].plan_s == 0.0
+    # a modelled planning cost is waited for without lookahead and hidden with it
+    modelled = dataclasses.replace(setup, overheads=StepOverheads(plan_s=0.25))
+    out = {o.variant.name: o.result for o in simulate_variants(
+        byted_batch, parse_variants(["balance", "balance+lookahead"]), modelled, context_length=262144)}
+    assert out["balance"].step_time_s == pytest.approx(fast["balance"].step_time_s + 0.25)
+    assert out["balance+lookahead"].step_time_s == fast["balance+lookahead"].step_time_s
