@@ -118,6 +118,10 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if not args.out:
         raise ValueError("--out is empty; give the cost model JSON file to write")
+    threads = os.environ.get("OMP_NUM_THREADS") or "1"
+    if not (threads.isascii() and threads.isdigit() and 1 <= int(threads) <= 4096):
+        raise ValueError(f"the environment variable OMP_NUM_THREADS={threads!r} must be a number of "
+                         "threads >= 1 (or unset)")
 
 
 def _world_size(args: argparse.Namespace) -> int:
