@@ -95,13 +95,13 @@ def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: i
 
 
 class _FreeSpace:
-    """Free tokens and free slots of up to ``n`` bins, with the first bin that has room for both.
+    """Free tokens and free slots of the bins opened so far, and the first bin with room for both.
 
     A segment tree: leaf ``size + b`` holds bin b's free tokens and slots (-1 for a bin not yet
     opened), every inner node the largest free tokens and the largest free slots below it. The
-    first fit descends left-first into children whose maxima both suffice; a subtree whose two
-    maxima come from different bins can be entered without holding a fit, so the search is
-    logarithmic unless tokens and slots disagree bin by bin.
+    first fit descends left-first into children whose maxima both suffice and, where none below
+    does fit (the two maxima came from different bins), moves on to the next subtree to the
+    right; the search is logarithmic unless tokens and slots disagree bin by bin.
     """
 
     def __init__(self, size: int = 64) -> None:
