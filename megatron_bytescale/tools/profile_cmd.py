@@ -118,6 +118,10 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if not args.out:
         raise ValueError("--out is empty; give the cost model JSON file to write")
+    threads = os.environ.get("OMP_NUM_THREADS") or "1"
+    if not (threads.isascii() and threads.isdigit() and 1 <= int(threads) <= 4096):
+        raise ValueError(f"the environment variable OMP_NUM_THREADS={threads!r} must be a number of "
+                         "threads >= 1 (or unset)")
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -159,7 +163,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(nproc), "-m", "megatron_bytescale.tools.profile_cmd", *argv]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or "1"
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
     try:
         returncode = run_supervised(command, env=env)
@@ -184,7 +188,7 @@ def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or "1"))
     dist.init_process_group("nccl" if on_cuda else "gloo")
     saved = True
     try:

@@ -147,11 +147,14 @@ PROFILE_CASES = [
      "--tensor-model-parallel-size (3) must divide the 2 processes"),
     ("nproc-negative", ["--nproc-per-node", "-1"], "--nproc-per-node (-1) must be from 1 to 1024"),
     ("nproc-0", ["--nproc-per-node", "0"], "--nproc-per-node (0) must be from 1 to 1024"),  # was: silently 2
+    ("omp-threads-env", [], "OMP_NUM_THREADS='abc' must be a number of threads >= 1"),  # each rank: int('abc')
 ]
 
 
 @pytest.mark.parametrize("case, argv, fragment", PROFILE_CASES, ids=[c[0] for c in PROFILE_CASES])
-def test_profile_refuses_bad_flags_before_launching(no_workers, capsys, case, argv, fragment):
+def test_profile_refuses_bad_flags_before_launching(no_workers, capsys, monkeypatch, case, argv, fragment):
+    if case == "omp-threads-env":
+        monkeypatch.setenv("OMP_NUM_THREADS", "abc")
     with pytest.raises(SystemExit) as info:
         profile_cmd.main(argv)
     err = capsys.readouterr().err
@@ -204,4 +207,4 @@ def test_a_worker_that_cannot_hand_over_prints_the_results(tmp_path, capsys, mon
 
 def test_table_size():
     """The counts docs/testing.md quotes for this file."""
-    assert (len(DEMO_CASES), len(PROFILE_CASES)) == (18, 6)
+    assert (len(DEMO_CASES), len(PROFILE_CASES)) == (18, 7)

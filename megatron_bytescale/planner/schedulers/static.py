@@ -80,7 +80,7 @@ def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: i
     most free slots of any bin in it finds the same bin by descending only into subtrees where
     both could fit. A full bin has no room left and is never entered again.
     """
-    free = _FreeSpace(len(lengths))
+    free = _FreeSpace()
     bins: list[list[int]] = []
     for pos, n in enumerate(lengths):
         need_slots = n if cp == 1 else 2 * zigzag_chunk(n, cp, align)
@@ -95,24 +95,36 @@ def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: i
 
 
 class _FreeSpace:
-    """Free tokens and free slots of up to ``n`` bins, with the first bin that has room for both.
+    """Free tokens and free slots of the bins opened so far, and the first bin with room for both.
 
     A segment tree: leaf ``size + b`` holds bin b's free tokens and slots (-1 for a bin not yet
     opened), every inner node the largest free tokens and the largest free slots below it. The
-    first fit descends left-first into children whose maxima both suffice; a subtree whose two
-    maxima come from different bins can be entered without holding a fit, so the search is
-    logarithmic unless tokens and slots disagree bin by bin.
+    first fit descends left-first into children whose maxima both suffice and, where none below
+    does fit (the two maxima came from different bins), moves on to the next subtree to the
+    right; the search is logarithmic unless tokens and slots disagree bin by bin.
     """
 
-    def __init__(self, n: int) -> None:
-        size = 1
-        while size < max(1, n):
-            size *= 2
-        self.size = size
+    def __init__(self, size: int = 64) -> None:
+        self.size = size  # a power of two; doubled when a bin beyond it opens
         self.tokens = [-1] * (2 * size)
         self.slots = [-1] * (2 * size)
 
+    def _grow(self) -> None:
+        """Twice as many leaves: the tree stays as deep as the bins need, not the documents."""
+        size, old_tokens, old_slots = self.size, self.tokens, self.slots
+        self.size = 2 * size
+        self.tokens = [-1] * (4 * size)
+        self.slots = [-1] * (4 * size)
+        self.tokens[2 * size:3 * size] = old_tokens[size:]
+        self.slots[2 * size:3 * size] = old_slots[size:]
+        tokens, slots = self.tokens, self.slots
+        for i in range(2 * size - 1, 0, -1):
+            tokens[i] = max(tokens[2 * i], tokens[2 * i + 1])
+            slots[i] = max(slots[2 * i], slots[2 * i + 1])
+
     def set(self, b: int, tokens: int, slots: int) -> None:
+        while b >= self.size:
+            self._grow()
         i = self.size + b
         self.tokens[i] = tokens
         self.slots[i] = slots
@@ -128,8 +140,9 @@ class _FreeSpace:
         tokens, slots = self.tokens, self.slots
         i //= 2
         while i:
-            t = max(tokens[2 * i], tokens[2 * i + 1])
-            s = max(slots[2 * i], slots[2 * i + 1])
+            left, right = 2 * i, 2 * i + 1
+            t = tokens[left] if tokens[left] > tokens[right] else tokens[right]
+            s = slots[left] if slots[left] > slots[right] else slots[right]
             if tokens[i] == t and slots[i] == s:
                 break
             tokens[i], slots[i] = t, s
@@ -138,15 +151,15 @@ class _FreeSpace:
     def first_fit(self, tokens_needed: int, slots_needed: int) -> int:
         """The lowest bin with at least that many free tokens and slots, or -1."""
         tokens, slots, size = self.tokens, self.slots, self.size
-        if tokens[1] < tokens_needed or slots[1] < slots_needed:
-            return -1  # no open bin has room (all full, or none yet): the common case
-        stack = [1]
-        while stack:
-            i = stack.pop()
-            if tokens[i] < tokens_needed or slots[i] < slots_needed:
+        i = 1
+        while True:
+            if tokens[i] >= tokens_needed and slots[i] >= slots_needed:
+                if i >= size:
+                    return i - size
+                i *= 2  # the left subtree first: lower bins
                 continue
-            if i >= size:
-                return i - size
-            stack.append(2 * i + 1)
-            stack.append(2 * i)
-        return -1
+            while i & 1:  # no fit below i: up while i is a right child, then to the right sibling
+                i >>= 1
+            if i == 0:  # climbed past the root: no bin fits
+                return -1
+            i += 1

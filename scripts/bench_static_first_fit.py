@@ -1,0 +1,93 @@
+"""Time the static baseline's first fit: the segment tree against the open-list scan it replaced.
+
+The scan kept a bin that was full when it was opened in its list of open bins, so documents
+that each fill the context (``bytescale simulate --contexts 1``, or a corpus cut at the context)
+made every document scan every earlier bin: quadratic. Both versions give the same bins (checked
+here on every case). Writes the ``static first fit`` section of docs/benchmarks.md.
+
+Usage: ``.venv/bin/python scripts/bench_static_first_fit.py [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
+
+from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
+from megatron_bytescale.planner.schedulers.static import first_fit_bins  # noqa: E402
+from megatron_bytescale.planner.zigzag import zigzag_chunk  # noqa: E402
+
+SCAN_LIMIT = 10_000
+"""Largest case the quadratic scan is timed on (it takes about a minute there)."""
+
+
+def scan_first_fit(lengths, *, context, capacity, cp, align=1):
+    """The first fit before the segment tree: scan the list of open bins from the first."""
+    bins, tokens, slots, open_bins = [], [], [], []
+    for pos, n in enumerate(lengths):
+        need = n if cp == 1 else 2 * zigzag_chunk(n, cp, align)
+        for k, b in enumerate(open_bins):
+            if tokens[b] + n <= context and slots[b] + need <= capacity:
+                bins[b].append(pos)
+                tokens[b] += n
+                slots[b] += need
+                if tokens[b] == context or slots[b] == capacity:
+                    open_bins.pop(k)
+                break
+        else:
+            bins.append([pos])
+            tokens.append(n)
+            slots.append(need)
+            open_bins.append(len(bins) - 1)
+    return bins
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--note", default="", help="a remark on the machine (e.g. shared with other jobs)")
+    args = ap.parse_args()
+    cases = [(f"{n:,} documents of exactly the context (4,096, CP 1)", [4096] * n, 4096, 4096, 1)
+             for n in (2_500, 5_000, 10_000, 100_000, 1_000_000)]
+    byted = [int(x) for x in synthetic_lengths("byted", 32 * 2**20, seed=0, max_length=262144)]
+    cases.append((f"Byted 32M tokens ({len(byted):,} documents), context 256K, CP 32, C 8,192",
+                  byted, 262144, 8192, 32))
+    rows = []
+    for label, lengths, context, capacity, cp in cases:
+        new, t_new = timed(first_fit_bins, lengths, context=context, capacity=capacity, cp=cp)
+        if len(lengths) <= SCAN_LIMIT or len(lengths) < 100_000 and cp > 1:
+            old, t_old = timed(scan_first_fit, lengths, context=context, capacity=capacity, cp=cp)
+            assert old == new, label
+            scan = f"{t_old:.2f}"
+        else:
+            scan = "not run (quadratic)"
+        rows.append([label, f"{len(new):,}", scan, f"{t_new:.2f}"])
+        print(rows[-1], flush=True)
+    body = f"""## Static baseline: first fit
+
+Seconds to pack the documents into the static baseline's bins (first fit in data order under
+the context and the per-rank zigzag slots): the open-list scan it replaced against the segment
+tree over bins (`planner/schedulers/static.py`); both give the same bins on every case.
+`scripts/bench_static_first_fit.py`. {machine_line()}{(" " + args.note) if args.note else ""}
+
+{markdown_table(["case", "bins", "scan (s)", "segment tree (s)"], rows)}
+"""
+    print(body)
+    if not args.no_write:
+        write_section("static-first-fit", body)
+
+
+if __name__ == "__main__":
+    main()
