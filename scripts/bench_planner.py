@@ -221,7 +221,8 @@ many ranks it gets); the last ratio is step time over the larger of the two boun
         from megatron_bytescale.tools import plan_cmd
 
         progress("drawing the Gantt chart ...")
-        plan_cmd.main(["--compare", "--plot", str(IMG_DIR / "planner_gantt.png")])
+        plan_cmd.main(["--compare", "--no-megatron-hybrid-cp", "--plot",
+                       str(IMG_DIR / "planner_gantt.png")])
         write_section("planner", body)
         progress("wrote section 'planner' of docs/benchmarks.md")
         print(body)

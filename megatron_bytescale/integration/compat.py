@@ -19,9 +19,12 @@ What differs, and who asks here (callers never check versions themselves):
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import sys
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # only annotations: ``bytescale plan`` asks for the version without torch
@@ -57,10 +60,28 @@ def parse_megatron_version(text: str) -> tuple[int, int, int]:
 
 @lru_cache(maxsize=1)
 def megatron_core_version() -> tuple[int, int, int]:
-    """The version of the ``megatron.core`` that imports here, from its ``package_info``."""
-    from megatron.core import package_info
+    """The version of the ``megatron.core`` that imports here, from its ``package_info``.
 
-    return parse_megatron_version(package_info.__version__)
+    Read from the module ``megatron.core.package_info`` when megatron.core is already imported;
+    otherwise that one file is run on its own, so asking (``bytescale plan --compare``) does not
+    import all of megatron.core and torch. Raises :class:`UnsupportedMegatronVersion` when
+    there is no megatron.core.
+    """
+    module = sys.modules.get("megatron.core.package_info")
+    if module is None:
+        spec = importlib.util.find_spec("megatron.core") if importlib.util.find_spec(
+            "megatron") is not None else None
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        info = [Path(p) / "package_info.py" for p in locations
+                if (Path(p) / "package_info.py").is_file()]
+        if not info:
+            raise UnsupportedMegatronVersion(
+                f"megatron-core is not installed; megatron_bytescale supports "
+                f"{supported_megatron_versions()}")
+        file_spec = importlib.util.spec_from_file_location("_megatron_core_package_info", info[0])
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return parse_megatron_version(module.__version__)
 
 
 def require_supported_megatron(version: Optional[tuple[int, int, int]] = None
@@ -154,8 +175,9 @@ def megatron_forward_step(
 
 
 def has_megatron_hybrid_cp_scheduler() -> bool:
-    """True where megatron-core ships its hybrid CP scheduler (0.19.x; not 0.16.1)."""
-    return megatron_core_version() >= (0, 19, 0)
+    """True where megatron-core ships its hybrid CP scheduler (0.19.x; not 0.16.1); an
+    unsupported version raises :class:`UnsupportedMegatronVersion`."""
+    return require_supported_megatron() >= (0, 19, 0)
 
 
 # ----------------------------------------------------------------------------- batch sizes

@@ -18,7 +18,6 @@ Megatron-core 0.16.1 has no such scheduler: :func:`megatron_hybrid_cp_unavailabl
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -47,14 +46,19 @@ class _GroupOfSize:
 
 def megatron_hybrid_cp_unavailable() -> Optional[str]:
     """None if megatron-core's hybrid CP scheduler can run here, else why not (one line)."""
-    if importlib.util.find_spec("megatron") is None or \
-            importlib.util.find_spec("megatron.core") is None:
-        return "megatron-core is not installed"
-    from .compat import has_megatron_hybrid_cp_scheduler, megatron_core_version
+    from .compat import (
+        UnsupportedMegatronVersion,
+        has_megatron_hybrid_cp_scheduler,
+        megatron_core_version,
+    )
 
-    if not has_megatron_hybrid_cp_scheduler():
+    try:
+        has_scheduler = has_megatron_hybrid_cp_scheduler()
+    except UnsupportedMegatronVersion as exc:  # not installed, or a version we do not support
+        return str(exc)
+    if not has_scheduler:
         found = ".".join(map(str, megatron_core_version()))
-        return (f"needs megatron-core 0.19 or newer (Python 3.12+); megatron-core {found} has no "
+        return (f"needs megatron-core 0.19 (Python 3.12+); megatron-core {found} has no "
                 "hybrid context-parallel scheduler")
     return None
 
