@@ -10,8 +10,13 @@ What it measures:
    P2P bytes, rings; the static/balance step-time ratio.
 3. Targets: balance <= 1 s at 16,384 ranks and <= 100 ms at 1,024; balance ratio <= 1.05 on
    both datasets at 1,024 ranks; static >= 3x balance (Byted).
+4. Planning time of the configurations users run (section ``planner_time``): DP-Balance on
+   32M-token batches at 256K context, 1,024 ranks, offload off (training's default; goal
+   < 100 ms CPU), and PP-Balance in every Fig. 17 PP cell at the paper's GPU counts, as the
+   simulator plans them (timing-only plans, Eq. 3 offload; goal < 0.5 s CPU each).
 
-Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 3] [--no-write]``
+Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 3] [--no-write] [--only-time]``
+(``--only-time``: only item 4).
 """
 
 from __future__ import annotations
@@ -70,11 +75,94 @@ def short_reason(reason: str) -> str:
     return "n/a"
 
 
+def cpu_median(fn, repeats: int) -> float:
+    """Median CPU seconds of ``fn()`` over ``repeats`` runs (after one warm-up run)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)
+
+
+def planning_time_section(repeats: int) -> str:
+    """Section ``planner_time``: DP-Balance at 256K without offload, PP-Balance in the Fig. 17
+    PP cells (see the module docstring, item 4)."""
+    from megatron_bytescale.sim import paper
+
+    load_before = os.getloadavg()[0]
+    cm = preset_cost_model("llama-7b")
+    dp_rows, dp_worst = [], 0.0
+    for ds in DATASETS:
+        lengths = synthetic_lengths(ds, TOKENS, seed=0, max_length=262144)
+        progress(f"planning time: DP-Balance {ds} 256K, 1,024 ranks, offload off ...")
+        cpu = cpu_median(lambda: make_plan(lengths, scheduler="balance", hdp_size=1024, capacity=CAPACITY,
+                                           cost_model=cm, context_length=262144, offload=False), repeats)
+        dp_worst = max(dp_worst, cpu)
+        dp_rows.append([ds, "256K", "1,024", "off", f"{len(lengths):,}", f"{cpu * 1e3:.0f}"])
+    pp_rows, pp_times = [], []
+    for model in paper.PP_BALANCE_MODELS:
+        setup = paper.paper_setup(model)
+        for ds in DATASETS:
+            for ctx in [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]:
+                lengths = synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=0, max_length=ctx)
+                progress(f"planning time: PP-Balance {model} {ds} {ctx >> 10}K ...")
+                kw = dict(scheduler="balance", hdp_size=setup.hdp_size, capacity=setup.capacity,
+                          cost_model=setup.cost_model, pp_size=setup.pp_size, offload=True,
+                          overlong=setup.overlong, align=setup.align, context_length=ctx, delta=setup.delta,
+                          num_buckets=setup.num_buckets, estimate=False, pieces=False, topology=setup.topology)
+                cpu = cpu_median(lambda: make_plan(lengths, **kw), repeats)
+                pp_times.append(cpu)
+                pp_rows.append([model, ds, f"{ctx >> 10}K".replace("2048K", "2M").replace("1024K", "1M"),
+                                f"{paper.FIG17_GPUS[model]:,}", f"{setup.hdp_size} x PP {setup.pp_size}",
+                                f"{cpu * 1e3:.0f}"])
+    load_after = os.getloadavg()[0]
+    pp_worst = max(pp_times)
+    summary = markdown_table(["figure", "goal", "measured (CPU)", "status"], [
+        ["DP-Balance, 32M tokens at 256K, 1,024 ranks, offload off", "< 100 ms",
+         f"{dp_worst * 1e3:.0f} ms (worst dataset)", "met" if dp_worst < 0.1 else "missed"],
+        ["PP-Balance, Fig. 17 PP cells", "< 0.5 s each",
+         f"{pp_worst * 1e3:.0f} ms worst, {statistics.median(pp_times) * 1e3:.0f} ms median of {len(pp_times)}",
+         "met" if pp_worst < 0.5 else "missed"],
+    ])
+    dp = markdown_table(["dataset", "context", "HDP ranks", "offload", "sequences", "balance ms CPU"], dp_rows)
+    pp = markdown_table(["model", "dataset", "context", "GPUs", "HDP ranks", "balance ms CPU"], pp_rows)
+    return f"""## Planner: planning time of the configurations users run
+
+`scripts/bench_planner.py --only-time --repeats {repeats}` (CPU time, median of {repeats} after a
+warm-up; `make_plan` with the estimate for DP, timing-only plans as the simulator makes them
+for PP). {machine_line()} Load average {load_before:.1f} before / {load_after:.1f} after.
+
+{summary}
+
+DP-Balance (32M-token batches, seed 0, C = 8,192, LLaMA-7B):
+
+{dp}
+
+PP-Balance at the paper's GPU counts (Fig. 17, 32M tokens, seed 0, offload by Eq. 3):
+
+{pp}
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median; default 3)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
+    ap.add_argument("--only-time", action="store_true",
+                    help="only the planning-time section (DP-Balance at 256K, PP-Balance Fig. 17 cells)")
     args = ap.parse_args()
+
+    timing = planning_time_section(args.repeats)
+    if args.no_write:
+        print(timing)
+    else:
+        write_section("planner_time", timing)
+        progress("wrote section 'planner_time' of docs/benchmarks.md")
+    if args.only_time:
+        return 0
 
     cm = preset_cost_model("llama-7b")
     load_before = os.getloadavg()[0]

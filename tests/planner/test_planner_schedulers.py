@@ -44,6 +44,7 @@ def test_fast_builder_matches_plan_builder():
         seqs = list(range(3 * k, 3 * k + 3))
         assert a.add(ring, seqs, 0.25) == b.add(ring, seqs, 0.25)
     assert a.build(scheduler="x").content_hash() == b.build(scheduler="x").content_hash()
+    assert a.build(scheduler="x").ranks == b.build(scheduler="x").ranks  # equal objects, not only JSON
 
 
 # --------------------------------------------------------------------------- naive

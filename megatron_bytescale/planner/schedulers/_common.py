@@ -208,6 +208,39 @@ def apply_overlong(
     return replace(request, ids=tuple(i for i, _ in keep), lengths=tuple(n for _, n in keep), meta=meta)
 
 
+def _slot_factory(cls: type, fields: tuple[str, ...]) -> Callable[..., Any]:
+    """A positional constructor of the frozen, slotted dataclass ``cls`` that sets its slots
+    directly (its generated ``__init__`` goes through ``object.__setattr__`` per field, which
+    dominates building a plan's tens of thousands of pieces). The classes have no
+    ``__post_init__``; the objects are equal to, and hash like, ones built normally."""
+    new = object.__new__
+    setters = tuple(getattr(cls, f).__set__ for f in fields)
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__} validates in __post_init__; build it normally")
+    if len(fields) == 2:
+        s0, s1 = setters
+
+        def make2(a: Any, b: Any) -> Any:
+            obj = new(cls)
+            s0(obj, a)
+            s1(obj, b)
+            return obj
+        return make2
+    s0, s1, s2 = setters
+
+    def make3(a: Any, b: Any, c: Any) -> Any:
+        obj = new(cls)
+        s0(obj, a)
+        s1(obj, b)
+        s2(obj, c)
+        return obj
+    return make3
+
+
+_piece = _slot_factory(Piece, ("seq", "start", "end"))
+_sequence = _slot_factory(PlanSequence, ("id", "length"))
+
+
 class FastPlanBuilder(PlanBuilder):
     """:class:`PlanBuilder` with an O(1)-per-member ``add`` (same micro-batches, same orders).
 
@@ -237,7 +270,7 @@ class FastPlanBuilder(PlanBuilder):
             return order
         if n == 1:
             lengths = self.lengths
-            pieces = tuple([Piece(seq=s, start=0, end=lengths[s]) for s in seqs_t])
+            pieces = tuple([_piece(s, 0, lengths[s]) for s in seqs_t])
             self.per_rank[ring_t[0]].append(
                 MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces)
             )
@@ -251,7 +284,7 @@ class FastPlanBuilder(PlanBuilder):
             # position k (k < n) or 2n-1-k, and a position's lower part comes first
             for k in range(min(2 * n, -(-length // chunk))):
                 a = k * chunk
-                pieces_of[k if k < n else last - k].append(Piece(seq=s, start=a, end=min(a + chunk, length)))
+                pieces_of[k if k < n else last - k].append(_piece(s, a, min(a + chunk, length)))
         for pos, rank in enumerate(ring_t):
             self.per_rank[rank].append(
                 MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t,
@@ -292,7 +325,7 @@ def emit_plan(
         **request.meta,
         **(meta or {}),
     }
-    sequences = tuple(PlanSequence(id=i, length=n) for i, n in zip(request.ids, request.lengths))
+    sequences = tuple(map(_sequence, request.ids, request.lengths))
     return builder.build(scheduler=scheduler, pp_size=request.pp_size, layers_per_stage=request.layers,
                          sequences=sequences, meta=full_meta)
 

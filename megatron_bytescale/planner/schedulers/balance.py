@@ -425,21 +425,21 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     load = placer.loads
     n = len(load)
     topo = placer.topology
-    groups: dict[int, set[int]] = {0: set(range(n))}
-    count = [0] * n
+    groups: dict[int, int] = {0: n}  # count -> ranks that have run that many micro-batches
+    count = np.zeros(n, dtype=np.int64)
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
         d = u.ring_size
         best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
         for c in sorted(groups):
-            g = groups[c]
-            if len(g) < d:
+            if groups[c] < d:
                 continue
-            members = topo.node_contiguous(heapq.nsmallest(d, g, key=lambda r: (load[r], r)))
-            start = max(load[r] for r in members)
+            eligible = count == c
+            ranks = np.flatnonzero(eligible)
+            least = ranks[np.lexsort((ranks, load[ranks]))[:d]]  # the d least loaded, ties by rank
+            members = topo.node_contiguous(least.tolist())
+            start = float(load[least].max())
             if not placer.spans_min_nodes(members):
-                eligible = np.zeros(n, dtype=bool)
-                eligible[list(g)] = True
                 start, members = placer.fewest_nodes(d, eligible, earliest=start)
             score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
             if best is None or score < best[0]:
@@ -449,12 +449,12 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
         ring = best[1]
         t = ctx.placed_time(u, ring)
         for r in ring:
-            c = count[r]
-            groups[c].discard(r)
+            c = int(count[r])
+            groups[c] -= 1
             if not groups[c]:
                 del groups[c]
             count[r] = c + 1
-            groups.setdefault(c + 1, set()).add(r)
+            groups[c + 1] = groups.get(c + 1, 0) + 1
             pipeline_load.add(r, t)
         placer.touch(ring)
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
