@@ -201,3 +201,40 @@ def test_a_reload_started_late_is_counted_as_a_stall():
     compute = ops.current_stream()
     assert compute.stalls == 6 * (L - 2) and set(compute.lags) == {0}
     assert offloader.end_step().on_demand_reloads == 6 * (L - 2)
+
+
+class ScalarsAndRows(torch.nn.Module):
+    """Saves the layer input x [T, 1, H], a 1-D per-token tensor [T] and a 0-D scalar."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        per_token = x.sum(dim=(1, 2)) * 1.0  # 1-D: its only dimension is the token dimension
+        scale = x.mean() * 1.0  # 0-D: no rows, never worth a copy
+        return x * scale + (per_token * per_token).reshape(-1, 1, 1)
+
+
+@pytest.mark.parametrize("ratio", [0.37, 1.0])
+def test_one_dimensional_token_rows_are_offloaded_and_scalars_never(ratio):
+    layers = torch.nn.ModuleList([ScalarsAndRows() for _ in range(3)])  # layer 0 offloadable
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    reference = step(layers, None, ratio, 50)
+    grads = step(layers, offloader, ratio, 50)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    k = rows_offloaded(ratio, 50)
+    assert offloader.end_step().offloaded_bytes == k * H * 4 + k * 4  # x's rows, per_token's rows
+
+
+def test_offload_micro_batch_is_a_no_op_without_an_offloader_or_autograd():
+    from types import SimpleNamespace
+
+    from megatron_bytescale.runtime import MicroBatchOffload, offload_micro_batch
+
+    batch = SimpleNamespace(tokens=torch.zeros(10, dtype=torch.long), offload_ratio=0.5)
+    with offload_micro_batch(None, batch):  # no offloader: nothing to do
+        pass
+    offloader = ActivationOffloader(make_layers(3))
+    with torch.no_grad():  # an evaluation forward: autograd saves nothing
+        assert not isinstance(offload_micro_batch(offloader, batch), MicroBatchOffload)
+    assert offloader.end_step().micro_batches == 0
+    context = offload_micro_batch(offloader, batch)
+    assert isinstance(context, MicroBatchOffload) and context.num_tokens == 10
+    assert offloader.end_step().micro_batches == 1
