@@ -157,8 +157,8 @@ def parallel_runs(patched_megatron_lm, tmp_path_factory):
 
 
 @pytest.mark.xfail(compat.megatron_core_version() >= (0, 17, 0), strict=False,
-                   reason="TP 2 x PP 2 training on core_v0.19.0 failed once in the 0.19 lane on a "
-                          "heavily loaded machine; not yet diagnosed")
+                   reason="on core_v0.19.0 the --finetune checkpoint-load log line this test "
+                          "matches is worded differently; the regex is not yet updated")
 def test_patched_pretrain_gpt_trains_with_tp_and_pp(parallel_runs):
     """TP 2 x PP 2 (+ SP) through Megatron's own loop gives the losses of TP 1 / PP 1."""
     base, run = _losses(parallel_runs["hdp2"]), _losses(parallel_runs["tp2 pp2 sp"])
