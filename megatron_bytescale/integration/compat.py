@@ -14,7 +14,11 @@ What differs, and who asks here (callers never check versions themselves):
   (``gpt_config_from_args``) in 0.19, from ``model_provider`` in 0.16.1: the patch for each tag
   hands the plugin's builder over its own way (:func:`megatron_lm_patch_tag` names the patch);
 * megatron-core 0.19 ships its own dynamic ("hybrid") context-parallel scheduler, the baseline
-  row of ``bytescale plan --compare`` (:func:`has_megatron_hybrid_cp_scheduler`).
+  row of ``bytescale plan --compare`` (:func:`has_megatron_hybrid_cp_scheduler`);
+* the batch-size ramp-up: ``--rampup-batch-size`` on 0.16.1, ``--step-batch-size-schedule`` on
+  0.19, whose loop ignores the former (:func:`megatron_batch_size_calculator`,
+  :func:`batch_size_ramp_flags`, :func:`megatron_lm_flag_refusals`), and 0.19's
+  ``--eval-global-batch-size`` (:func:`evaluation_global_batch_size`).
 """
 
 from __future__ import annotations

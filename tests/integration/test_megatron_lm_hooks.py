@@ -619,12 +619,21 @@ def test_training_reports_carry_the_step_hdp_metrics_for_megatron_to_log(rank_re
 
 
 def test_megatron_constant_micro_batch_line_says_what_hdp_runs(caplog):
-    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
 
     megatron_lm.validate_args(megatron_namespace("--bytescale-hdp", mock_data=True,
                                                  **tiny_model_args()))
-    with caplog.at_level("INFO", logger="megatron.core.num_microbatches_calculator"):
-        _build_num_microbatches_calculator(0, None, 8, 1, 4, False)
+    try:
+        with caplog.at_level("INFO", logger="megatron.core.num_microbatches_calculator"):
+            # keywords: 0.19 dropped the positional rampup_batch_size of 0.16.1's builder
+            init_num_microbatches_calculator(rank=0, rampup_batch_size=None, global_batch_size=8,
+                                             micro_batch_size=1, data_parallel_size=4,
+                                             decrease_batch_size_if_needed=False)
+    finally:
+        destroy_num_microbatches_calculator()
     line = [r.getMessage() for r in caplog.records if "constant" in r.getMessage()]
     assert line and line[0].startswith("setting number of microbatches to constant 2 ")
     assert "each rank runs the micro-batches its step plan gives it" in line[0]

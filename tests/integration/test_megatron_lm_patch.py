@@ -59,6 +59,9 @@ ARGS = ("context_parallel_size", "data_parallel_size", "calculate_per_token_loss
 
 def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_lm):
     hdp = [*TINY_GPT, "--bytescale-hdp"]
+    by_samples = [*hdp]  # Megatron ramps the batch only for sample-based training
+    at = by_samples.index("--train-iters")
+    by_samples[at:at + 2] = ["--train-samples", "12"]
     ok, cp, pp, plain, forgot, default, ramp = validate_megatron_flags(patched_megatron_lm, [
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
@@ -67,7 +70,7 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
         TINY_GPT,
         [*TINY_GPT, "--bytescale-capacity", "128"],  # forgot --bytescale-hdp
         [*TINY_GPT, "--bytescale-scheduler", "balance"],  # its default, given
-        [*hdp, "--rampup-batch-size", "2", "2", "4"],
+        [*by_samples, "--rampup-batch-size", "2", "2", "4"],
     ], ARGS, world_size=4)
     # --rampup-batch-size: 0.16.1's loop ramps with it; 0.19's ignores it, so HDP refuses it
     # there, naming the flag and the equivalent --step-batch-size-schedule (0:2, then 4 from
