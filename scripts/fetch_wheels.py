@@ -3,7 +3,8 @@
 The GPU machine has Python and torch and nothing else (no numpy: torch does not require it; no
 packaging; maybe no pip). This downloads, for its Python version and manylinux x86_64:
 
-* megatron-core (``$MEGATRON_CORE``, default ``megatron-core==0.16.1``), and
+* megatron-core (``$MEGATRON_CORE``, default the version ``setup.py`` pins for the target
+  Python: 0.16.1 below 3.12, 0.19.x from 3.12 on), and
 * every requirement of it and of this package (``setup.py``'s ``install_requires``), and of
   those, transitively: each wheel's unconditional ``Requires-Dist`` (markers evaluated for the
   target Python on Linux x86_64, extras skipped), except torch and what comes with torch.
@@ -19,6 +20,7 @@ machine with pip, or without it by unzipping the wheels onto ``PYTHONPATH``.
 from __future__ import annotations
 
 import argparse
+import ast
 import email.parser
 import os
 import re
@@ -41,36 +43,45 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def package_requirements() -> list[str]:
-    """``install_requires`` of setup.py, read without running it."""
-    text = (REPO / "setup.py").read_text(encoding="utf-8")
-    block = re.search(r"install_requires=\[(.*?)\]", text, re.S)
-    if block is None:
-        raise SystemExit("setup.py has no install_requires list")
-    return re.findall(r'"([^"]+)"', re.sub(r"#[^\n]*", "", block.group(1)))
+def _target_environment(python_version: str) -> dict[str, str]:
+    """PEP 508 marker values of the GPU machine (Linux x86_64, CPython ``python_version``)."""
+    return {"python_version": python_version, "python_full_version": f"{python_version}.0",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "os_name": "posix", "extra": ""}  # fmt: skip
 
 
-def requirements_of(wheel: Path, python_version: str) -> list[str]:
-    """Unconditional Requires-Dist of ``wheel`` for the target (extras skipped)."""
+def _applies(requirement: str, python_version: str) -> str | None:
+    """``requirement`` without its marker when the marker holds on the target, else None."""
     try:
         from packaging.markers import Marker
     except ImportError:  # pip's own copy: pip is here whenever downloading works
         from pip._vendor.packaging.markers import Marker
 
+    spec, _, marker = requirement.partition(";")
+    if marker.strip() and not Marker(marker.strip()).evaluate(_target_environment(python_version)):
+        return None
+    return spec.strip()
+
+
+def package_requirements(python_version: str) -> list[str]:
+    """``install_requires`` of setup.py for the target Python, read without running setup.py
+    (its markers, e.g. the megatron-core pin per Python, evaluated for the target)."""
+    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            listed = ast.literal_eval(node.value)
+            return [r for r in (_applies(x, python_version) for x in listed) if r]
+    raise SystemExit("setup.py has no install_requires list")
+
+
+def requirements_of(wheel: Path, python_version: str) -> list[str]:
+    """Unconditional Requires-Dist of ``wheel`` for the target (extras skipped)."""
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = email.parser.Parser().parsestr(archive.read(name).decode("utf-8"))
-    environment = {"python_version": python_version, "python_full_version": f"{python_version}.0",
-                   "sys_platform": "linux", "platform_system": "Linux",
-                   "platform_machine": "x86_64", "implementation_name": "cpython",
-                   "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}  # fmt: skip
-    out = []
-    for requirement in metadata.get_all("Requires-Dist") or []:
-        spec, _, marker = requirement.partition(";")
-        if marker.strip() and not Marker(marker.strip()).evaluate(environment):
-            continue
-        out.append(spec.strip())
-    return out
+    out = [_applies(r, python_version) for r in metadata.get_all("Requires-Dist") or []]
+    return [r for r in out if r]
 
 
 def project_of(requirement: str) -> str:
@@ -93,10 +104,15 @@ def download(requirement: str, dest: Path, python_version: str, pip: list[str]) 
         raise SystemExit(f"pip download {requirement} failed: {' / '.join(tail)}")
 
 
-def fetch(dest: Path, python_version: str, megatron_core: str, pip: list[str]) -> list[Path]:
+def fetch(dest: Path, python_version: str, megatron_core: str | None,
+          pip: list[str]) -> list[Path]:
+    """The wheels for ``python_version`` in ``dest``; ``megatron_core`` replaces setup.py's
+    megatron-core requirement when given."""
     dest.mkdir(parents=True, exist_ok=True)
-    wanted = [megatron_core] + [r for r in package_requirements()
-                                if project_of(r) not in ("megatron-core",)]  # fmt: skip
+    ours = package_requirements(python_version)
+    if megatron_core:
+        ours = [megatron_core] + [r for r in ours if project_of(r) != "megatron-core"]
+    wanted = sorted(ours, key=lambda r: project_of(r) != "megatron-core")  # megatron-core first
     done: set[str] = set()
     while wanted:
         requirement = wanted.pop(0)
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python_version):
         parser.error(f"--python-version {args.python_version!r}: give MAJOR.MINOR, e.g. 3.12")
-    megatron_core = os.environ.get("MEGATRON_CORE", "megatron-core==0.16.1")
+    megatron_core = os.environ.get("MEGATRON_CORE") or None
     wheels = fetch(args.dest, args.python_version, megatron_core, [sys.executable, "-m", "pip"])
     size = sum(w.stat().st_size for w in wheels) / 2**20
     print(f"{len(wheels)} wheels for Python {args.python_version} in {args.dest} ({size:.1f} MiB): "
