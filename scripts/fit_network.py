@@ -11,14 +11,17 @@ Byted; paper.md §7.3, Fig. 18) gives numbers that depend on them:
   2.8-4.4 ms and exchanges 1.4-1.9 ms per step.
 
 Each observation is computed from the simulator (the case-study batch planned and simulated
-with the planner's schedulers) or from the cost model's ring-step terms, for three hardware
+with the planner's schedulers) or from the cost model's ring-step terms, for four hardware
 descriptions: the H100 datasheet preset, the best fit without a new term (free GPU efficiency
-and network rate), and the ``paper-fit`` preset that every simulated figure uses (the same plus
-a wait per ring step for the ring's slowest member, ``ring_straggler_s``). ``--search`` fits
-the three parameters again (coordinate descent on the squared log residuals) instead of
-reading the preset. Writes section ``network_fit`` of docs/reproduction.md.
+and network rate), the previous fit with an absolute wait per ring step for the ring's slowest
+member (``ring_straggler_s``), and the ``paper-fit`` preset that every simulated figure uses (the
+wait as a multiple of the ring step's link time, ``ring_straggler_link_ratio``). ``--search``
+fits the link-time form again (coordinate descent on the squared log residuals) and shows it
+next to the preset; ``--fig17`` also simulates Fig. 17 (static and balance, six models, two
+datasets, four contexts) on the absolute-wait fit and on the preset, to show which form keeps
+the figure's shape. Writes section ``network_fit`` of docs/reproduction.md.
 
-Usage: ``.venv/bin/python scripts/fit_network.py [--search] [--no-write]``
+Usage: ``.venv/bin/python scripts/fit_network.py [--search] [--fig17] [--no-write]``
 """
 
 from __future__ import annotations
@@ -279,7 +282,7 @@ def fig17_section(checks: dict[str, dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--search", action="store_true", help="fit the straggler model again instead of reading the preset")
+    ap.add_argument("--search", action="store_true", help="fit the link-time wait again and show it next to the preset")
     ap.add_argument("--no-write", action="store_true", help="print instead of writing docs/reproduction.md")
     ap.add_argument("--fig17", action="store_true",
                     help="also simulate Fig. 17 (static, balance) on the absolute-wait fit and the preset")
@@ -327,7 +330,7 @@ def main() -> int:
         "### The network model fitted to the paper's own numbers",
         "",
         "Every hardware-revealing number of the case study (LLaMA-7B, 2M context, 1,024 GPUs, TP 1, "
-        "Byted-like 32M-token batch) against the simulator on three hardware descriptions. "
+        "Byted-like 32M-token batch) against the simulator on each hardware description. "
         "Residual = model / paper - 1; the fit minimises the sum of squared log residuals of the "
         "eight observations (`scripts/fit_network.py`, coordinate descent).",
         "",

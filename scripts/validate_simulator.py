@@ -221,6 +221,10 @@ def main() -> int:
     else:
         progress(f"running bytescale demo on {DATASETS} ...")
         results, load = run_demo([x for x in extra if x != "--"])
+        saved = Path("out/validate/results.json")  # rerun the analysis: --results out/validate/results.json --load ...
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(results) + "\n", encoding="utf-8")
+        progress(f"saved the run to {saved} ({load})")
     body = section(results, load)
     if args.no_write:
         print(body)
