@@ -163,8 +163,9 @@ def section(results: dict, load: str) -> str:
         f"+ {terms.per_doc_step_s * 1e3:.2f} ms x documents x ring size (rings only): a uniform factor "
         "between the calibration (the bare model's decoder layers on each rank's own micro-batch) and "
         "the run (the whole DDP-wrapped model with the demo's saved-tensor hooks, inside Megatron's "
-        "step functions), and what per-document cost is left beyond the model's own term (negative: "
-        "the calibrated term is if anything too large).",
+        "step functions), and what per-document cost is left beyond the model's own term ("
+        + ("negative: the calibrated term is if anything too large)." if terms.per_doc_step_s < 0 else
+           "positive: the calibrated term is too small by that much)."),
         "",
         "**Wall-time ratios** (micro-batch phase on the machine, predicted with the cores shared; noisy: "
         "other processes took cores at random moments, this is not what the goal is judged on):",
