@@ -307,13 +307,14 @@ H100 = HardwareSpec(
 #: The paper's hidden cluster, fitted to every hardware-revealing number the paper gives (its
 #: case study's three step times and 97.6 % P2P share, Fig. 18's per-ring-step compute and P2P
 #: readings) by ``scripts/fit_network.py``, which prints the residual of every observation;
-#: docs/reproduction.md section 2 explains the fit. The H100 datasheet rates with about the
-#: datasheet preset's efficiencies (GEMM 0.49, attention 0.39), 57 GB/s per GPU between nodes, and
-#: a wait for the slowest member of 1.67x the ring step's own link time per unit of sqrt(2 ln D)
-#: (5.6x at D = 256):
-#: no link rate alone makes the baseline's 256-rank rings as slow as its 8m40s step while
-#: keeping naive's 39-rank rings as fast as its 4m32s. The wait scales with the bytes a step
-#: sends (not an absolute time), so TP 8 models, whose ring steps send 8x less, wait 8x less.
+#: docs/reproduction.md section 2 explains the fit. The H100 datasheet peak, NVLink and PCIe,
+#: GPU efficiencies close to the datasheet preset's (GEMM 0.49, attention 0.39), 57 GB/s per GPU
+#: between nodes, and a wait for the ring's slowest member of 1.67x the ring step's own link time
+#: per unit of sqrt(2 ln D) (5.6x at D = 256; ``ring_straggler_link_ratio``): no link rate alone
+#: makes the baseline's 256-rank rings as slow as its 8m40s step while keeping naive's 39-rank
+#: rings as fast as its 4m32s. The wait scales with the bytes a step sends (not an absolute time,
+#: which fits the case study as well but swamps the TP 8 models of Fig. 17), so TP 8 models, whose
+#: ring steps send 8x less, wait 8x less, and rings inside a node wait at the NVLink rate.
 PAPER_FIT = replace(
     H100,
     name="paper-fit",
