@@ -11,14 +11,17 @@ Byted; paper.md §7.3, Fig. 18) gives numbers that depend on them:
   2.8-4.4 ms and exchanges 1.4-1.9 ms per step.
 
 Each observation is computed from the simulator (the case-study batch planned and simulated
-with the planner's schedulers) or from the cost model's ring-step terms, for three hardware
+with the planner's schedulers) or from the cost model's ring-step terms, for four hardware
 descriptions: the H100 datasheet preset, the best fit without a new term (free GPU efficiency
-and network rate), and the ``paper-fit`` preset that every simulated figure uses (the same plus
-a wait per ring step for the ring's slowest member, ``ring_straggler_s``). ``--search`` fits
-the three parameters again (coordinate descent on the squared log residuals) instead of
-reading the preset. Writes section ``network_fit`` of docs/reproduction.md.
+and network rate), the previous fit with an absolute wait per ring step for the ring's slowest
+member (``ring_straggler_s``), and the ``paper-fit`` preset that every simulated figure uses (the
+wait as a multiple of the ring step's link time, ``ring_straggler_link_ratio``). ``--search``
+fits the link-time form again (coordinate descent on the squared log residuals) and shows it
+next to the preset; ``--fig17`` also simulates Fig. 17 (static and balance, six models, two
+datasets, four contexts) on the absolute-wait fit and on the preset, to show which form keeps
+the figure's shape. Writes section ``network_fit`` of docs/reproduction.md.
 
-Usage: ``.venv/bin/python scripts/fit_network.py [--search] [--no-write]``
+Usage: ``.venv/bin/python scripts/fit_network.py [--search] [--fig17] [--no-write]``
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from megatron_bytescale.planner.estimate import micro_batch_costs  # noqa: E402
 from megatron_bytescale.planner.presets import H100, PAPER_FIT, HardwareSpec, model_spec  # noqa: E402
 from megatron_bytescale.sim import paper, parse_variants  # noqa: E402
 from megatron_bytescale.sim.overheads import preset_overheads  # noqa: E402
+from megatron_bytescale.sim.sweep import drop_per_doubling, format_tokens, run_sweep, summarize  # noqa: E402
 from megatron_bytescale.sim.variants import ClusterSetup, plan_for, simulate_variants  # noqa: E402
 
 REPRODUCTION_MD = Path(__file__).resolve().parent.parent / "docs" / "reproduction.md"
@@ -130,14 +134,26 @@ def loss(values: dict[str, float], keys: list[str]) -> float:
     return sum(math.log(values[k] / OBSERVATIONS[k][1]) ** 2 for k in keys)
 
 
-def hardware(speed: float, bandwidth: float, straggler: float) -> HardwareSpec:
-    """H100 with GEMM and attention efficiency scaled by ``speed``, the network rate and the wait."""
+#: The wait's two forms: an absolute time per ring step (``ring_straggler_s``) or a multiple of
+#: the step's link time (``ring_straggler_link_ratio``, the paper-fit preset's).
+WAIT_FIELDS = {"absolute": "ring_straggler_s", "link": "ring_straggler_link_ratio"}
+
+#: The previous fit, an absolute wait per ring step: as good on the case study, but it swamps the
+#: TP 8 models of Fig. 17 (docs/reproduction.md section 2).
+ABSOLUTE_WAIT_FIT = replace(PAPER_FIT, name="absolute-wait", gemm_efficiency=0.35, attention_efficiency=0.28,
+                            p2p_bandwidth_inter=58e9, ring_straggler_s=3.5e-3, ring_straggler_link_ratio=0.0)
+
+
+def hardware(speed: float, bandwidth: float, straggler: float, form: str = "link") -> HardwareSpec:
+    """H100 with GEMM and attention efficiency scaled by ``speed``, the network rate and the wait
+    (of the given form)."""
     return replace(H100, name="fit", gemm_efficiency=H100.gemm_efficiency * speed,
                    attention_efficiency=H100.attention_efficiency * speed,
-                   p2p_bandwidth_inter=bandwidth, ring_straggler_s=straggler)
+                   p2p_bandwidth_inter=bandwidth, **{WAIT_FIELDS[form]: straggler})
 
 
-def search(lengths: np.ndarray, *, with_straggler: bool, start: tuple[float, float, float]) -> tuple[HardwareSpec, dict]:
+def search(lengths: np.ndarray, *, with_straggler: bool, start: tuple[float, float, float],
+           form: str = "link") -> tuple[HardwareSpec, dict]:
     """Coordinate descent on log(speed), log(bandwidth)[, log(straggler)] of the squared log
     residuals of every observation (halving steps, 6 rounds)."""
     keys = list(OBSERVATIONS)
@@ -146,7 +162,7 @@ def search(lengths: np.ndarray, *, with_straggler: bool, start: tuple[float, flo
     def evaluate(x: list[float]) -> float:
         key = tuple(round(v, 4) for v in x)
         if key not in cache:
-            hw = hardware(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]) if with_straggler else 0.0)
+            hw = hardware(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]) if with_straggler else 0.0, form)
             cache[key] = observe(hw, lengths)
         return loss(cache[key], keys)
 
@@ -166,7 +182,7 @@ def search(lengths: np.ndarray, *, with_straggler: bool, start: tuple[float, flo
                     else:
                         break
             step[i] /= 2
-    hw = hardware(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]) if with_straggler else 0.0)
+    hw = hardware(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]) if with_straggler else 0.0, form)
     return hw, observe(hw, lengths)
 
 
@@ -174,13 +190,102 @@ def describe(hw: HardwareSpec) -> str:
     return (f"GEMM efficiency {hw.gemm_efficiency:.2f}, attention efficiency {hw.attention_efficiency:.2f} "
             f"(of {hw.peak_flops / 1e12:.0f} TFLOP/s), {hw.p2p_bandwidth_inter / 1e9:.1f} GB/s per GPU between nodes, "
             f"{hw.p2p_bandwidth_intra / 1e9:.0f} GB/s NVLink, {hw.p2p_latency_s * 1e6:.0f} us latency, "
-            f"straggler wait {hw.ring_straggler_s * 1e3:.2f} ms per ring step per layer x sqrt(2 ln D)")
+            + (f"straggler wait {hw.ring_straggler_link_ratio:.2f} x the ring step's link time x sqrt(2 ln D)"
+               if hw.ring_straggler_link_ratio else
+               f"straggler wait {hw.ring_straggler_s * 1e3:.2f} ms per ring step per layer x sqrt(2 ln D)"))
+
+
+# --------------------------------------------------------------------------- Fig. 17 check
+def fig17_setup(model: str, hw: HardwareSpec) -> ClusterSetup:
+    """:func:`megatron_bytescale.sim.paper.paper_setup` on a hardware description that is not a
+    named preset (the fits compared here)."""
+    spec = model_spec(model)
+    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
+    return ClusterSetup(hdp_size=paper.FIG17_GPUS[model] // (tp * pp), capacity=paper.CAPACITY,
+                        cost_model=CostModel.from_specs(spec, hw), pp_size=pp, tensor_parallel_size=tp,
+                        overheads=preset_overheads(spec, tensor_parallel_size=tp, pp_size=pp))
+
+
+def fig17_check(hw: HardwareSpec) -> dict[tuple[str, str], dict[str, float]]:
+    """Per Fig. 17 panel on ``hw``: balance / static at the longest context and the throughput
+    drop per context doubling of static and balance (the same batches as reproduce_paper.py)."""
+    out = {}
+    for model in paper.FIG17_GPUS:
+        setup = fig17_setup(model, hw)
+        contexts = [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]
+        for dataset in ("github", "byted"):
+            progress(f"Fig. 17 on {hw.name}: {model}, {dataset}")
+            points = run_sweep(
+                lambda ctx, step, ds=dataset: synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=step, max_length=ctx),
+                contexts=contexts, steps=1, variants=parse_variants("static,balance"), setup=setup)
+            summaries = summarize(points)
+            top = max(contexts)
+            by = {(x.context_length, x.variant.name): x for x in summaries}
+            out[(model, dataset)] = {
+                "top": float(top),
+                "speedup": by[(top, "balance")].tokens_per_s / by[(top, "static")].tokens_per_s,
+                "static_drop": drop_per_doubling(summaries, "static"),
+                "balance_drop": drop_per_doubling(summaries, "balance"),
+                "bound_drop": bound_per_doubling(summaries),
+            }
+    return out
+
+
+def bound_per_doubling(summaries: list) -> float:
+    """The drop per doubling of the balance plan's lower bound (busy GPU-seconds / ranks): what
+    a perfectly balanced schedule would lose, the work itself growing with the context."""
+    pts = sorted((x.context_length, float(np.mean([r.lower_bound_s for r in x.results])))
+                 for x in summaries if x.variant.name == "balance" and x.ok)
+    (c0, b0), (c1, b1) = pts[0], pts[-1]
+    return (b1 / b0) ** (1.0 / math.log2(c1 / c0))
+
+
+def fig17_section(checks: dict[str, dict]) -> str:
+    """Balance over static at the longest context and the drop per doubling, per panel and fit."""
+    names = list(checks)
+    header = ["model", "dataset", "paper: balance / static"]
+    header += [f"{n}: balance / static" for n in names] + [f"{n}: balance drop per doubling" for n in names]
+    header += ["perfect balance drop per doubling (paper-fit)"]
+    rows = []
+    for key in next(iter(checks.values())):
+        model, dataset = key
+        group = "DP-Balance" if model in paper.DP_BALANCE_MODELS else "PP-Balance"
+        lo, hi = paper.GITHUB_2M_SPEEDUP[group] if dataset == "github" else (None, paper.BYTED_MAX_SPEEDUP)
+        theirs = f"{lo:.2f}-{hi:.2f}x" if lo else f"up to {hi:.2f}x"
+        top = checks[names[0]][key]["top"]
+        row = [model, dataset + ("" if top == 2 * paper.M else f" (at {format_tokens(int(top))})"), theirs]
+        row += [f"{checks[n][key]['speedup']:.2f}x" for n in names]
+        row += [f"{checks[n][key]['balance_drop']:.2f}x" for n in names]
+        row += [f"{checks[names[-1]][key]['bound_drop']:.2f}x"]
+        rows.append(row)
+    geo = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
+    row = ["geometric mean", "", ""]
+    row += [f"{geo([v['speedup'] for v in checks[n].values()]):.2f}x" for n in names]
+    row += [f"{geo([v['balance_drop'] for v in checks[n].values()]):.2f}x (paper 1.08x)" for n in names]
+    row += [f"{geo([v['bound_drop'] for v in checks[names[-1]].values()]):.2f}x"]
+    rows.append(row)
+    row = ["static drop per doubling, geometric mean", "", "about 2x"]
+    row += [""] * len(names) + [f"static {geo([v['static_drop'] for v in checks[n].values()]):.2f}x" for n in names]
+    rows.append(row + [""])
+    return "\n".join([
+        "### Fig. 17 on each fit: does one parameter set keep the figure's shape?",
+        "",
+        "The same 32M-token batches, models, GPU counts and TP x PP as `scripts/reproduce_paper.py`'s "
+        "Fig. 17 (static and balance only), on the fits of the previous table. The paper's numbers: "
+        "balance over the baseline at 2M on GitHub 6.21-7.89x (DP-Balance: LLaMA-7B/13B/30B) and "
+        "3.42-4.28x (PP-Balance: LLaMA-70B, Mistral-8x7B/8x22B), up to 4.26x on Byted; balance loses "
+        "1.08x per context doubling on average, the baseline about 2x.",
+        "",
+        markdown_table(header, rows),
+    ])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--search", action="store_true", help="fit the straggler model again instead of reading the preset")
+    ap.add_argument("--search", action="store_true", help="fit the link-time wait again and show it next to the preset")
     ap.add_argument("--no-write", action="store_true", help="print instead of writing docs/reproduction.md")
+    ap.add_argument("--fig17", action="store_true",
+                    help="also simulate Fig. 17 (static, balance) on the absolute-wait fit and the preset")
     args = ap.parse_args()
     begin = time.perf_counter()
     lengths = case_batch()
@@ -188,9 +293,11 @@ def main() -> int:
     results: dict[str, tuple[HardwareSpec, dict]] = {"H100 datasheet": (H100, observe(H100, lengths))}
     progress("best fit without a new term (GPU efficiency and network rate free) ...")
     results["best fit, no new term"] = search(lengths, with_straggler=False, start=(0.5, 15e9, 1.0))
+    progress("absolute wait per ring step (the previous fit) ...")
+    results["absolute wait"] = (ABSOLUTE_WAIT_FIT, observe(ABSOLUTE_WAIT_FIT, lengths))
     if args.search:
-        progress("best fit with the straggler term ...")
-        results["best fit, with straggler"] = search(lengths, with_straggler=True, start=(0.5, 15e9, 3e-4))
+        progress("best fit with the wait proportional to the link time ...")
+        results["best fit, link-time wait"] = search(lengths, with_straggler=True, start=(0.7, 58e9, 1.5), form="link")
     progress("paper-fit preset ...")
     results["paper-fit preset"] = (PAPER_FIT, observe(PAPER_FIT, lengths))
     keys = list(OBSERVATIONS)
@@ -223,7 +330,7 @@ def main() -> int:
         "### The network model fitted to the paper's own numbers",
         "",
         "Every hardware-revealing number of the case study (LLaMA-7B, 2M context, 1,024 GPUs, TP 1, "
-        "Byted-like 32M-token batch) against the simulator on three hardware descriptions. "
+        "Byted-like 32M-token batch) against the simulator on each hardware description. "
         "Residual = model / paper - 1; the fit minimises the sum of squared log residuals of the "
         "eight observations (`scripts/fit_network.py`, coordinate descent).",
         "",
@@ -233,6 +340,11 @@ def main() -> int:
         "",
         f"_Generated by `scripts/fit_network.py` in {time.perf_counter() - begin:.0f} s. {machine_line()}_",
     ])
+    if args.fig17:
+        checks = {name: fig17_check(hw) for name, (hw, _) in results.items()
+                  if name in ("absolute wait", "paper-fit preset")}
+        body += "\n\n" + fig17_section(checks) + (
+            f"\n\n_Generated with the table above in {time.perf_counter() - begin:.0f} s. {machine_line()}_")
     if args.no_write:
         print(body)
     else:

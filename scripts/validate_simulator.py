@@ -163,8 +163,9 @@ def section(results: dict, load: str) -> str:
         f"+ {terms.per_doc_step_s * 1e3:.2f} ms x documents x ring size (rings only): a uniform factor "
         "between the calibration (the bare model's decoder layers on each rank's own micro-batch) and "
         "the run (the whole DDP-wrapped model with the demo's saved-tensor hooks, inside Megatron's "
-        "step functions), and what per-document cost is left beyond the model's own term (negative: "
-        "the calibrated term is if anything too large).",
+        "step functions), and what per-document cost is left beyond the model's own term ("
+        + ("negative: the calibrated term is if anything too large)." if terms.per_doc_step_s < 0 else
+           "positive: the calibrated term is too small by that much)."),
         "",
         "**Wall-time ratios** (micro-batch phase on the machine, predicted with the cores shared; noisy: "
         "other processes took cores at random moments, this is not what the goal is judged on):",
@@ -221,6 +222,10 @@ def main() -> int:
     else:
         progress(f"running bytescale demo on {DATASETS} ...")
         results, load = run_demo([x for x in extra if x != "--"])
+        saved = Path("out/validate/results.json")  # rerun the analysis: --results out/validate/results.json --load ...
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(results) + "\n", encoding="utf-8")
+        progress(f"saved the run to {saved} ({load})")
     body = section(results, load)
     if args.no_write:
         print(body)

@@ -17,42 +17,14 @@ A :class:`CostModel` is built three ways:
 * by least squares from measured samples (:meth:`CostModel.fit`);
 * from JSON written by :meth:`CostModel.save` (round trip: ``load(save(m)) == m``).
 
-Ring micro-batch cost (:meth:`CostModel.micro_batch_time`). A micro-batch carries sequences of
-real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each sequence is padded to
-``P_j = 2 * D * zigzag_chunk(s_j, D, align)`` (``P_j = s_j`` when D = 1) and every member holds
-``P_j / D`` of it. Per layer and per member:
-
-    linear  = beta1 * sum(P_j) / D + gamma + per_document * n * D     (n documents)
-    A       = alpha1 * sum(P_j**2) / D                    (causal attention, balanced by zigzag)
-    c_f     = A * phi_attn / D,  c_b = A * (1 - phi_attn) / D     (compute of one ring step)
-    m_f     = latency + kv * sum(P_j) / D / bandwidth             (one KV block)
-    m_b     = latency + (kv + dkv) * sum(P_j) / D / bandwidth     (KV + dKV blocks)
-    ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
-              + (D - 1) * (ring_step_overhead + ring_straggler * sqrt(2 ln D))
-    time    = layers * (linear + ring + exposed_offload)
-
-i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
-costs time only where it exceeds the compute it hides behind. ``ring_step_overhead`` is what a
-ring step costs beyond its kernels and transfer whatever the overlap: launches and
-synchronisation on GPUs (0 in the analytic presets, as in the paper), and on CPU the copies
-and thread switches that gloo makes on the same cores that compute (calibrated by
-``integration.calibration``; without it a CPU planner sees rings as nearly free). ``per_document``
-is the cost of one attention-kernel call per document per ring step (backends without varlen
-kernels, the CPU path; calibrated with micro-batches of many short documents), and
-``ring_straggler`` the wait of a lockstep ring for its slowest member, the expected maximum of D
-delays of that standard deviation (0 on datasheet presets; the preset fitted to the paper's
-measurements needs it, docs/reproduction.md section 2). With D = 1 and one document this is
-exactly ``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch).
-``bandwidth`` is the intra-node rate when all members share a node, else the inter-node rate
-(a ring is as slow as its slowest hop).
+The ring micro-batch cost (:meth:`CostModel.micro_batch_time`, :meth:`CostModel.ring_time_terms`)
+is one formula, written out in :mod:`.ring_time` with every term: per layer and per member,
+linear work, causal attention split into D ring steps, each step overlapping one P2P
+exchange, plus the per-document kernel calls, the per-step overhead, the wait for the
+ring's slowest member and any exposed offload transfer.
 
 Host memory: a member offloading the ratio r of a micro-batch fills ``r * (l - 2) * Act(share)``
 bytes of host memory (``host_memory_bytes`` caps it, for all micro-batches in flight at once).
-
-Two-level rings (``two_level_ring``, docs/two_level_ring.md): a ring of D = k * G members on k
-whole nodes runs k steps between nodes (same formula with D -> k for the step count and the
-per-step compute ``attention / k``, the network rate) plus all-to-alls inside the node that
-move ``2 (G - 1) / G * share * (2 q + kv)`` bytes per layer over NVLink, charged as exposed.
 
 Offload (Eq. 3): moving ``r * Act`` bytes of one layer over PCIe is hidden behind that layer's
 compute when ``T >= Act * r / min(B_d2h, B_h2d)``, which is exactly the overlap constraint Eq. 3
@@ -60,15 +32,7 @@ imposes; the solver in :mod:`.offload` only picks ratios that satisfy it, so off
 in the estimate. If a ratio above that bound is forced (an otherwise overlong sequence), the
 excess ``r * Act / B - layer time`` is charged as exposed time.
 
-P2P bytes of a ring micro-batch (:meth:`CostModel.ring_p2p_bytes`), summed over all members,
-for ``layers`` layers of one TP rank:
-
-    bytes = layers * (D - 1) * (2 * kv + dkv) * sum_j P_j
-
-with ``kv = kv_bytes_per_token`` and ``dkv = dkv_bytes_per_token`` (forward: D - 1 KV rotations
-of each member's block ``kv * sum(P_j) / D`` by D members; backward: D - 1 rotations of KV and
-D - 1 hops of the travelling dK/dV accumulator, which ring attention keeps in fp32, so dkv is
-twice kv for bf16 K/V). Per member it is that divided by D. A ring of size 1 sends nothing.
+P2P bytes of a ring micro-batch: :meth:`CostModel.ring_p2p_bytes` (formula in :mod:`.ring_time`).
 """
 
 from __future__ import annotations
@@ -83,44 +47,21 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .inputs import bounded_int, loads_json, read_text_file
+from .least_squares import nonnegative_lstsq, samples_array
 from .plan import MAX_SEQUENCE_LENGTH
+from .ring_time import RingTimeTerms, ring_time_terms, two_level_bytes
 
 logger = logging.getLogger(__name__)
 
 COST_MODEL_VERSION = 1
 _MAX_COST_MODEL_BYTES = 2**20
 
-@dataclass(frozen=True)
-class RingTimeTerms:
-    """Per-member seconds of micro-batches by what they are spent on (numpy arrays or scalars).
-
-    ``compute + exposed_comm + step_overhead + exposed_offload`` is the micro-batch's time
-    (:meth:`CostModel.ring_time_from_sums`); ``comm`` is the link time of its ring steps,
-    hidden or not (the share of it that compute does not hide is ``exposed_comm``).
-    """
-
-    compute: Any
-    """Linear layers and attention kernels: the time with free links."""
-    exposed_comm: Any
-    """P2P time a ring step's compute does not hide."""
-    step_overhead: Any
-    """``ring_step_overhead_s`` per ring step."""
-    exposed_offload: Any
-    """PCIe transfer time the layer's compute does not hide (0 for Eq. 3's ratios)."""
-    comm: Any
-    """All P2P time of the ring steps, overlapped or not."""
-
-    @property
-    def total(self) -> Any:
-        return self.compute + self.exposed_comm + self.step_overhead + self.exposed_offload
-
-
 # --------------------------------------------------------------------------- model
 _FLOAT_FIELDS = (
     "alpha1", "beta1", "gamma", "alpha2", "beta2", "d2h_bandwidth", "h2d_bandwidth",
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
     "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
-    "per_document_s", "ring_straggler_s",
+    "per_document_s", "ring_straggler_s", "ring_straggler_link_ratio",
 )
 
 
@@ -182,8 +123,15 @@ class CostModel:
     """Seconds per ring step per layer (forward and backward together) by which the slowest of a
     ring's members delays the step, per unit of ``sqrt(2 ln D)`` (the expected maximum of D
     independent delays of standard deviation ``ring_straggler_s``): a ring advances in lockstep,
-    so wide rings wait longer. Not hidden by compute. 0 in the analytic presets; the paper
-    preset fits it to the case study (docs/reproduction.md, section 2)."""
+    so wide rings wait longer. Not hidden by compute. 0 in the analytic presets; an absolute
+    wait fits the paper's case study but not its TP 8 models (docs/reproduction.md, section 2),
+    so the ``paper-fit`` preset uses :attr:`ring_straggler_link_ratio` instead."""
+    ring_straggler_link_ratio: float = 0.0
+    """The same wait as a multiple of each ring step's own link time (forward K/V plus backward
+    K/V and dK/dV at the ring's rate), per unit of ``sqrt(2 ln D)``: a delay that grows with the
+    bytes a member sends per step, so rings of small messages (TP 8, inside a node) wait less.
+    0 in the analytic presets; the ``paper-fit`` preset fits it to the case study
+    (docs/reproduction.md, section 2; :mod:`.ring_time`)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -234,6 +182,8 @@ class CostModel:
             ("kv_bytes_per_token", kv * s / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
             ("p2p_latency_s", self.p2p_latency_s + self.ring_step_overhead_s),
             ("ring_straggler_s", self.ring_straggler_s * 5.0),
+            ("ring_straggler_link_ratio", self.ring_straggler_link_ratio * 5.0 * kv * s
+             / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
             ("per_document_s", self.per_document_s * s),
         )
         for name, value in terms:
@@ -274,8 +224,8 @@ class CostModel:
         Raises:
             ValueError: fewer samples (or distinct lengths) than unknowns: 3 for T, 2 for Act.
         """
-        t = _samples_array(time_samples, "time_samples")
-        a = _samples_array(activation_samples, "activation_samples")
+        t = samples_array(time_samples, "time_samples")
+        a = samples_array(activation_samples, "activation_samples")
         for arr, what, unknowns in ((t, "time_samples (s, seconds)", 3), (a, "activation_samples (s, bytes)", 2)):
             distinct = len(np.unique(arr[:, 0])) if len(arr) else 0
             if distinct < unknowns:
@@ -285,9 +235,9 @@ class CostModel:
                     f"measure more sequence lengths"
                 )
         s = t[:, 0]
-        alpha1, beta1, gamma = _nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], axis=1), t[:, 1])
+        alpha1, beta1, gamma = nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], axis=1), t[:, 1])
         s = a[:, 0]
-        alpha2, beta2 = _nonnegative_lstsq(np.stack([s, np.ones_like(s)], axis=1), a[:, 1])
+        alpha2, beta2 = nonnegative_lstsq(np.stack([s, np.ones_like(s)], axis=1), a[:, 1])
         params: dict[str, Any] = {}
         if base is not None:
             params.update({f.name: getattr(base, f.name) for f in fields(base)})
@@ -417,59 +367,20 @@ class CostModel:
         intra_node: Any = True,
         node_group: Any = 1,
         num_docs: Any = 1,
-    ) -> "RingTimeTerms":
+    ) -> RingTimeTerms:
         """:meth:`ring_time_from_sums` split into what the time is spent on (arrays, per member,
         ``layers`` layers): the simulator reports where a step goes with the planner's own model.
         A two-level ring's all-to-alls and the straggler wait count as exposed communication,
-        the per-document cost as compute."""
-        sp = np.asarray(sum_p, dtype=np.float64)
-        sp2 = np.asarray(sum_p2, dtype=np.float64)
-        d = np.asarray(ring_size, dtype=np.float64)
-        r = np.asarray(offload_ratio, dtype=np.float64)
-        g = np.asarray(node_group, dtype=np.float64) if self.two_level_ring else np.ones_like(d)
-        g = np.where(d > g, g, 1.0)  # a ring inside one node is flat
-        two = g > 1
-        bw = np.where(np.asarray(intra_node, dtype=bool) & ~two, self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)
-        share = sp / d
-        linear = self.beta1 * share + self.gamma
-        attn = self.alpha1 * sp2 / d
-        positions = d / g  # ring steps: D flat, D / G nodes two-level
-        c_f = attn * self.attention_forward_fraction / positions
-        c_b = attn / positions - c_f
-        m_f = self.p2p_latency_s + self.kv_bytes_per_token * share / bw
-        m_b = self.p2p_latency_s + (self.kv_bytes_per_token + self.dkv_bytes) * share / bw
-        steps = positions - 1.0
-        a2a_comm = np.where(two, 4 * self.p2p_latency_s + 2 * (g - 1) / g * share * (
-            2 * self.q_bytes_per_token + self.kv_bytes_per_token) / self.p2p_bandwidth_intra, 0.0)
-        exposed_comm = steps * (np.maximum(c_f, m_f) - c_f + np.maximum(c_b, m_b) - c_b) + a2a_comm
-        if self.ring_straggler_s:
-            wait = steps * self.ring_straggler_s * np.sqrt(2.0 * np.log(np.maximum(positions, 1.0)))
-            exposed_comm = exposed_comm + wait
-            a2a_comm = a2a_comm + wait  # counted in ``comm`` below: a profiler shows it as P2P time
-        docs = self.per_document_s * np.asarray(num_docs, dtype=np.float64) * d if self.per_document_s else 0.0
-        linear = linear + docs
-        overhead = (steps + np.where(two, 2.0, 0.0)) * self.ring_step_overhead_s
-        layer = linear + attn + exposed_comm + overhead
-        exposed_offload = np.maximum(0.0, r * (self.alpha2 * share + self.beta2) / self.offload_bandwidth - layer)
-        return RingTimeTerms(
-            compute=layers * (linear + attn),
-            exposed_comm=layers * exposed_comm,
-            step_overhead=layers * overhead,
-            exposed_offload=layers * exposed_offload,
-            comm=layers * (steps * (m_f + m_b) + a2a_comm),
+        the per-document cost as compute (:func:`.ring_time.ring_time_terms`)."""
+        return ring_time_terms(
+            self, sum_p, sum_p2, ring_size, layers=layers, offload_ratio=offload_ratio, intra_node=intra_node,
+            node_group=node_group, num_docs=num_docs,
         )
 
     def two_level_bytes(self, sum_p: Any, ring_size: Any, node_group: Any, *, layers: int) -> tuple[Any, Any]:
         """``(intra-node, inter-node)`` bytes all members of two-level rings send over ``layers``
-        layers: ``layers * sum(P) * 2 (G - 1) / G * (2 q + kv)`` in the all-to-alls and
-        ``layers * (D / G - 1) * (2 kv + dkv) * sum(P)`` on the ring between nodes."""
-        sp = np.asarray(sum_p, dtype=np.float64)
-        d = np.asarray(ring_size, dtype=np.float64)
-        g = np.asarray(node_group, dtype=np.float64)
-        g = np.where(d > g, g, 1.0)
-        intra = layers * sp * 2 * (g - 1) / g * (2 * self.q_bytes_per_token + self.kv_bytes_per_token)
-        inter = layers * (d / g - 1) * self.ring_bytes_per_token * sp
-        return intra, inter
+        layers (:func:`.ring_time.two_level_bytes`)."""
+        return two_level_bytes(self, sum_p, ring_size, node_group, layers=layers)
 
     def micro_batch_time(
         self,
@@ -551,42 +462,3 @@ def _check_field_types(data: Mapping[str, Any]) -> None:
 def _is_number(value: Any) -> bool:
     """An int or float, not a bool (JSON ``true`` must not pass for 1)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _samples_array(samples: Iterable[Sequence[float]], what: str) -> np.ndarray:
-    try:
-        arr = np.asarray([tuple(x) for x in samples], dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what} must be pairs (length, value): {exc}") from exc
-    if arr.size == 0:
-        return np.zeros((0, 2))
-    if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"{what} must be pairs (length, value), got shape {arr.shape}")
-    if not np.all(np.isfinite(arr)) or np.any(arr[:, 0] <= 0):
-        raise ValueError(f"{what}: lengths must be > 0 and all values finite")
-    return arr
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares with every coefficient >= 0, by trying each subset of free coefficients.
-
-    Columns are scaled to unit norm first so that s^2 next to 1 stays well conditioned.
-    """
-    n = x.shape[1]
-    scale = np.linalg.norm(x, axis=0)
-    scale[scale == 0] = 1.0
-    xs = x / scale
-    best: tuple[float, np.ndarray] | None = None
-    for mask in range(1, 1 << n):
-        cols = [i for i in range(n) if mask >> i & 1]
-        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = np.zeros(n)
-        full[cols] = coef
-        resid = float(np.sum((xs @ full - y) ** 2))
-        if best is None or resid < best[0] - 1e-15 * max(1.0, abs(best[0])):
-            best = (resid, full)
-    if best is None:
-        return [0.0] * n
-    return [float(c) for c in best[1] / scale]

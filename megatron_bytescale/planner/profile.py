@@ -112,11 +112,11 @@ def fit_ring_terms(base: CostModel, samples: Sequence[tuple[int, int, int, float
     y = np.asarray(rhs, dtype=np.float64)
     overhead = per_doc = only = 0.0
     if len(y):
-        from .cost_model import _nonnegative_lstsq  # one solver for every fit of the cost model
+        from .least_squares import nonnegative_lstsq  # one solver for every fit of the cost model
 
         if np.any(x[:, 0] > 0):
             only = max(0.0, float(np.sum(y * x[:, 0]) / np.sum(x[:, 0] ** 2)))
-        overhead, per_doc = _nonnegative_lstsq(x, y) if np.any(x > 0) else (0.0, 0.0)
+        overhead, per_doc = nonnegative_lstsq(x, y) if np.any(x > 0) else (0.0, 0.0)
     before = [b + only * r[0] for b, r in zip(base_pred, rows)]
     after = [b + overhead * r[0] + per_doc * r[1] for b, r in zip(base_pred, rows)]
     return RingTermsFit(overhead_s=float(overhead), per_document_s=float(per_doc), overhead_only_s=only,

@@ -66,3 +66,59 @@ def test_old_json_without_the_new_fields_still_loads(tmp_path):
     assert cm.per_document_s == 0.0 and cm.ring_straggler_s == 0.0
     with pytest.raises(ValueError, match=r"per_document_s \(-1\.0\) must be a finite number >= 0"):
         bare(per_document_s=-1.0)
+
+
+def test_link_time_straggler_by_hand_scales_with_bytes_and_link():
+    """The wait as a multiple of the step's link time: (D - 1) * ratio * (m_f + m_b) * sqrt(2 ln D)
+    per layer; half the K/V bytes wait half as long, a ring inside a node waits at NVLink's rate."""
+    kv, bw_inter, bw_intra = 4096.0, 50e9, 400e9
+    cm = bare(kv_bytes_per_token=kv, dkv_bytes_per_token=2 * kv, p2p_bandwidth_inter=bw_inter,
+              p2p_bandwidth_intra=bw_intra, p2p_latency_s=1e-5, ring_straggler_link_ratio=1.5)
+    d, sum_p = 8, 8 * 8192.0
+    share = sum_p / d
+    link = 2e-5 + (kv + 2 * kv + kv) * share / bw_inter  # m_f + m_b: K/V forward, K/V + dK/dV backward
+    t = cm.ring_time_terms(sum_p, 8 * 8192.0**2, d, layers=3, intra_node=False)
+    wait = 3 * (d - 1) * 1.5 * link * math.sqrt(2 * math.log(d))
+    exposed_link = 3 * (d - 1) * link  # free compute: every link second is exposed
+    assert t.exposed_comm == pytest.approx(exposed_link + wait)
+    assert t.comm == pytest.approx(exposed_link + wait)
+    # without latency the wait is linear in the bytes a member sends per step
+    no_lat = cm.with_(p2p_latency_s=0.0)
+    half = no_lat.with_(kv_bytes_per_token=kv / 2, dkv_bytes_per_token=kv)
+    full_t = no_lat.ring_time_terms(sum_p, 0.0, d, layers=1, intra_node=False).exposed_comm
+    half_t = half.ring_time_terms(sum_p, 0.0, d, layers=1, intra_node=False).exposed_comm
+    assert half_t == pytest.approx(full_t / 2)
+    intra_t = no_lat.ring_time_terms(sum_p, 0.0, d, layers=1, intra_node=True).exposed_comm
+    assert intra_t == pytest.approx(full_t * bw_inter / bw_intra)
+    # not a ring, no wait; the two forms add up
+    assert cm.micro_batch_time([100, 200], 1, layers=1) == pytest.approx(0.0, abs=1e-15)
+    both = no_lat.with_(ring_straggler_s=1e-3).ring_time_terms(sum_p, 0.0, d, layers=1, intra_node=False).exposed_comm
+    assert both == pytest.approx(full_t + (d - 1) * 1e-3 * math.sqrt(2 * math.log(d)))
+
+
+def test_link_time_straggler_round_trips_and_refuses_bad_values(tmp_path):
+    from megatron_bytescale.planner.presets import PAPER_FIT, hardware_spec
+
+    cm = bare(ring_straggler_link_ratio=0.75)
+    path = tmp_path / "cm.json"
+    cm.save(path)
+    assert CostModel.load(path) == cm
+    with pytest.raises(ValueError, match=r"ring_straggler_link_ratio \(-0\.5\) must be a finite number >= 0"):
+        bare(ring_straggler_link_ratio=-0.5)
+    with pytest.raises(ValueError, match="ring_straggler_link_ratio must be >= 0"):
+        hardware_spec("paper-fit", ring_straggler_link_ratio=-1.0)
+    # the fitted preset carries the link-time form into every model built from it
+    from megatron_bytescale.planner.presets import preset_cost_model
+
+    fitted = preset_cost_model("llama-70b", "paper-fit")
+    assert fitted.ring_straggler_link_ratio == PAPER_FIT.ring_straggler_link_ratio > 0
+    assert fitted.ring_straggler_s == 0.0
+    assert preset_cost_model("llama-70b", "h100").ring_straggler_link_ratio == 0.0
+
+
+def test_old_json_without_the_link_ratio_still_loads(tmp_path):
+    data = bare().to_dict()
+    del data["ring_straggler_link_ratio"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert CostModel.load(path).ring_straggler_link_ratio == 0.0

@@ -107,8 +107,9 @@ def test_bytescale_lists_simulate():
 
 
 def test_cli_hardware_preset_fitted_to_the_paper(capsys):
-    """--hardware paper-fit plans with the fitted preset: same batch, slower GPUs and the straggler
-    wait, so every variant's step is longer than on the datasheet preset."""
+    """--hardware paper-fit (the default) plans with the fitted preset: same batch, the straggler
+    wait on every ring that crosses nodes, so every variant's step is longer than on the datasheet
+    preset."""
     argv = ["--hdp-size", "64", "--global-tokens", "2000000", "--context-length", "262144",
             "--variants", "static,balance", "--quiet"]
     steps = {}
@@ -119,3 +120,5 @@ def test_cli_hardware_preset_fitted_to_the_paper(capsys):
         steps[hw] = {l.split()[1]: float(l.split()[2]) for l in out.splitlines()[3:5]}
     assert set(steps["h100"]) == {"static", "balance"}
     assert all(steps["paper-fit"][v] > steps["h100"][v] for v in ("static", "balance"))
+    assert main(argv) == 0
+    assert "@paper-fit" in capsys.readouterr().out.splitlines()[0]
