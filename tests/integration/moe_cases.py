@@ -11,8 +11,10 @@ definition of docs/moe.md, computed by megatron-core's code, not the plugin's.
 HDP: 4 HDP ranks (TP = PP = EP = 1), 4 experts, top-2, on
 * a manual plan: rings of 1 and 2 ranks, packs of two documents, micro-batch counts 4 / 3 / 2
   and a rank with no micro-batch at all;
-* the balance scheduler's plan of the same documents (rings up to 3).
+* the balance scheduler's plan of the same documents.
 Each rank compares every reduced gradient (experts and router included) with the reference.
+Two negative controls run the manual plan with a deliberate bug (megatron-core's own
+per-micro-batch router losses; a ring's expert counts not summed) to show the checks see it.
 """
 
 from __future__ import annotations
@@ -134,15 +136,34 @@ def moe_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         "manual allgather aux": ("aux", "allgather", lambda _: manual_plan()),
         "balance alltoall aux": ("aux", "alltoall", balance),
     }
+    # negative controls (the checks must catch them): megatron-core's own router losses over
+    # each micro-batch instead of per document, and a ring member's counts left unsummed
+    from megatron_bytescale.integration import moe
+
+    controls = {
+        "control: megatron's per-micro-batch aux": ("install_hdp_router_losses", lambda m: 0),
+        "control: ring counts not summed": ("ring_sum", lambda t, ring, hdp: t),
+    }
     out["runs"] = {}
-    for name, (case, dispatcher, planner) in runs.items():
-        config = moe_config(**configs[case], dispatcher=dispatcher)
-        model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT)
-        model.load_state_dict(state)
-        ddp, optimizer = wrap_for_hdp(model, lr=1e-3)
-        step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
-        grads = grab_grads_before_step(ddp, optimizer)
-        record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    for name, (case, dispatcher, planner) in [
+        *runs.items(), *((c, ("aux", "alltoall", lambda _: manual_plan())) for c in controls)
+    ]:
+        saved = None
+        if name in controls:
+            attribute, replacement = controls[name]
+            saved = (attribute, getattr(moe, attribute))
+            setattr(moe, attribute, replacement)
+        try:
+            config = moe_config(**configs[case], dispatcher=dispatcher)
+            model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=CONTEXT)
+            model.load_state_dict(state)
+            ddp, optimizer = wrap_for_hdp(model, lr=1e-3)
+            step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
+            grads = grab_grads_before_step(ddp, optimizer)
+            record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+        finally:
+            if saved is not None:
+                setattr(moe, *saved)
         ref = references[case][1]
         out["runs"][name] = {
             "ring_sizes": sorted(set(step.plan.ring_sizes())),

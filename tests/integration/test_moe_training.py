@@ -46,3 +46,12 @@ def test_moe_gradients_equal_megatron_alone(results, run):
         assert sum(".mlp.experts." in n for n in errors) >= 2 * 4 * 2  # layers x experts x fc
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("control", ["control: megatron's per-micro-batch aux",
+                                     "control: ring counts not summed"])
+def test_the_gradient_check_catches_plan_dependent_router_losses(results, control):
+    """Megatron-core's per-micro-batch aux loss, or unsummed ring counts, change the router's
+    gradient far beyond the tolerance, so the equality above is not luck."""
+    errors = results[0]["runs"][control]["grad_errors"]
+    assert max(v for n, v in errors.items() if ".mlp.router." in n) > 100 * TOLERANCE
