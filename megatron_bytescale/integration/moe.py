@@ -138,6 +138,8 @@ def install_hdp_router_losses(model: torch.nn.Module) -> int:
             partial(_router_losses_hook, aux_coeff=aux_coeff, z_coeff=float(z_coeff or 0.0))
         )
         count += 1
+    logger.debug("HDP router losses (per-document aux loss, per-token z-loss) on %d routers",
+                 count)
     return count
 
 
