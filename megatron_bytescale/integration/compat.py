@@ -18,7 +18,11 @@ What differs, and who asks here (callers never check versions themselves):
 * the batch-size ramp-up: ``--rampup-batch-size`` on 0.16.1, ``--step-batch-size-schedule`` on
   0.19, whose loop ignores the former (:func:`megatron_batch_size_calculator`,
   :func:`batch_size_ramp_flags`, :func:`megatron_lm_flag_refusals`), and 0.19's
-  ``--eval-global-batch-size`` (:func:`evaluation_global_batch_size`).
+  ``--eval-global-batch-size`` (:func:`evaluation_global_batch_size`);
+* MoE experts on the local spec with ``moe_grouped_gemm``: 0.16.1 builds the legacy
+  ``GroupedMLP`` (needs the ``grouped_gemm`` package), 0.19 always ``SequentialMLP``
+  (:func:`local_spec_grouped_gemm_ok`); 0.16.1's MoE router needs Transformer Engine unless
+  :func:`enable_moe_router_without_te` names its missing fallback switch.
 """
 
 from __future__ import annotations
@@ -302,3 +306,32 @@ def megatron_lm_flag_refusals(args: Any) -> list[str]:
         except ValueError as exc:
             reasons.append(str(exc))
     return reasons
+
+
+def local_spec_grouped_gemm_ok() -> bool:
+    """Whether megatron-core's *local* MoE spec can be asked for grouped GEMM here.
+
+    0.16.1 then builds the legacy ``GroupedMLP``, which needs the ``grouped_gemm`` package;
+    0.19's local spec builds ``SequentialMLP`` whatever it is asked, so asking is harmless.
+    """
+    if megatron_core_version() >= (0, 17, 0):
+        return True
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    return bool(grouped_gemm_util.grouped_gemm_is_available())
+
+
+def enable_moe_router_without_te() -> None:
+    """Let megatron-core 0.16.1's MoE router run where Transformer Engine is missing.
+
+    Its ``moe_utils`` defines ``te_general_gemm`` only when TE imports, yet the router's gating
+    GEMM asks ``te_general_gemm is not None`` to choose its own ``torch.mm`` fallback, so
+    without TE every MoE forward raises ``NameError``. Defining the name as None selects that
+    fallback (0.19 defines it as None itself). Idempotent; nothing changes where TE imports.
+    """
+    if megatron_core_version() >= (0, 17, 0):
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -111,8 +111,8 @@ class HDPParallelLayout:
         if self.expert_model_parallel_size != 1:
             reasons.append(
                 f"--expert-model-parallel-size {self.expert_model_parallel_size} cannot be "
-                "combined with --bytescale-hdp: HDP does not train mixture-of-experts models; "
-                "run with --expert-model-parallel-size 1"
+                "combined with --bytescale-hdp: MoE trains under HDP with every expert on every "
+                "HDP rank; run with --expert-model-parallel-size 1"
             )
         tp = self.tensor_model_parallel_size
         for flag, count in (

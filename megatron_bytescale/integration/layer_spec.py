@@ -29,6 +29,16 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def grouped_gemm_available(use_transformer_engine: bool) -> bool:
+    """Whether megatron-core can run the experts as one grouped GEMM here: TE's grouped
+    linear on the TE spec, the ``grouped_gemm`` package on the local spec."""
+    if use_transformer_engine:
+        return transformer_engine_available()
+    from .compat import local_spec_grouped_gemm_ok
+
+    return local_spec_grouped_gemm_ok()
+
+
 def swap_core_attention(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a transformer-layer spec whose self-attention uses ``ByteScaleCoreAttention``.
 
@@ -61,15 +71,20 @@ def get_bytescale_layer_spec(
             (TE linears and norms; raises if TE is missing), False the local spec, None (the
             default) TE where it is installed and the local spec otherwise.
         **spec_kwargs: forwarded to Megatron's spec function (e.g. ``qk_layernorm``,
-            ``normalization``).
+            ``normalization``, ``num_experts`` and ``moe_grouped_gemm`` for megatron-core's MoE
+            layer: router, token dispatcher and experts, ``SequentialMLP`` where grouped GEMM
+            is missing; :mod:`.moe` says which MoE settings train under HDP).
     """
     if spec_kwargs.get("multi_latent_attention"):
         raise ValueError("multi-latent attention (MLA) is not supported with HDP")
-    if spec_kwargs.get("num_experts"):
-        raise ValueError("MoE layer specs are not supported with HDP: build a dense model (no num_experts)")
     use_te = (
         transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     )
+    if spec_kwargs.get("num_experts") and spec_kwargs.get("moe_grouped_gemm"):
+        if not grouped_gemm_available(use_te):
+            logger.warning("grouped GEMM for the experts needs Transformer Engine or the "
+                           "grouped_gemm package; running the experts one by one (SequentialMLP)")
+            spec_kwargs["moe_grouped_gemm"] = False
     if use_te:
         if not transformer_engine_available():
             raise ImportError(

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional
 from .compat import megatron_lm_flag_refusals
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name, given_flags
 from .groups import HDPParallelLayout
+from .moe import moe_refusals
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
 
@@ -81,7 +82,6 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("use_torch_fsdp2", "--use-torch-fsdp2", "HDP runs on Megatron DDP (+ ZeRO-1)"),
     ("use_legacy_models", "--use-legacy-models", "HDP builds a megatron-core GPTModel"),
     ("spec", "--spec", "HDP builds its own layer spec (ByteScale core attention)"),
-    ("num_experts", "--num-experts", "MoE has not been validated with HDP"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported with HDP"),
     ("multi_latent_attention", "--multi-latent-attention", "MLA is not supported with HDP"),
     ("experimental_attention_variant", "--experimental-attention-variant",
@@ -89,7 +89,8 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
      "HDP builds a uniform layer spec"),
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
-     "MoE is not supported with HDP"),
+     "MoE trains under HDP with expert parallelism 1: there is no expert all-to-all to "
+     "overlap"),
     ("sft", "--sft", "HDP plans documents from --data-path or --mock-data"),
     ("fim_data", "--fim-data", "HDP plans documents from --data-path or --mock-data"),
     ("train_data_path", "--train-data-path", "use --data-path (and --split)"),
@@ -212,6 +213,7 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
                        "--bytescale-hdp: micro-batch shapes change every step")
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
+    reasons += moe_refusals(args)
     reasons += _data_flag_refusals(args)
     reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
     if reasons or layout is None:
@@ -404,6 +406,9 @@ def build_hdp_gpt_model(args: Any, pre_process: bool = True, post_process: bool 
                                        qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)))
     if not use_te:
         spec_kwargs["normalization"] = args.normalization
+    if getattr(args, "num_experts", None):
+        spec_kwargs.update(num_experts=args.num_experts,
+                           moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
     spec = get_bytescale_layer_spec(use_transformer_engine=use_te, **spec_kwargs)
     return ByteScaleGPTModel(
         config=config,

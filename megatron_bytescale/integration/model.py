@@ -24,7 +24,25 @@ from megatron.core.models.gpt import GPTModel
 
 
 class ByteScaleGPTModel(GPTModel):
-    """GPTModel whose RoPE rotates every token by its position in its original sequence."""
+    """GPTModel whose RoPE rotates every token by its position in its original sequence.
+
+    With MoE layers, the routers' aux-loss and z-loss take their HDP meaning
+    (:func:`.moe.install_hdp_router_losses`, docs/moe.md).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("config", args[0] if args else None)
+        if getattr(config, "num_moe_experts", None):
+            from .compat import enable_moe_router_without_te
+            from .moe import check_moe_config
+
+            check_moe_config(config)  # before building: refusals name their flags
+            enable_moe_router_without_te()
+        super().__init__(*args, **kwargs)
+        if getattr(self.config, "num_moe_experts", None):
+            from .moe import install_hdp_router_losses
+
+            install_hdp_router_losses(self)
 
     def _preprocess(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any

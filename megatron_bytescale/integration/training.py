@@ -88,6 +88,13 @@ def make_transformer_config(
     return TransformerConfig(**settings)
 
 
+def moe_spec_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """The layer-spec arguments of the config's MoE settings (none for a dense model)."""
+    if not config.num_moe_experts:
+        return {}
+    return dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+
+
 def build_gpt_model(
     config: TransformerConfig,
     *,
@@ -104,7 +111,8 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
 
-    spec = get_bytescale_layer_spec(use_transformer_engine=use_transformer_engine)
+    spec = get_bytescale_layer_spec(use_transformer_engine=use_transformer_engine,
+                                    **moe_spec_kwargs(config))
     stages = dict(pre_process=True, post_process=True)
     if parallel_state.model_parallel_is_initialized():
         stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),

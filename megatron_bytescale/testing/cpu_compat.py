@@ -32,6 +32,7 @@ rejects CPU tensors). See ``/work/shared/reference/cpu_feasibility.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -161,7 +162,11 @@ def _patch_rng_tracker() -> None:
 
 
 class _NoStream:
-    """Stands in for ``torch.cuda.current_stream()``: every synchronisation is a no-op."""
+    """Stands in for ``torch.cuda.current_stream()`` and ``torch.cuda.Stream``: every
+    synchronisation is a no-op."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
 
     def wait_event(self, *_args: Any, **_kwargs: Any) -> None:
         return None
@@ -172,14 +177,31 @@ class _NoStream:
     def synchronize(self) -> None:
         return None
 
-    def record_event(self, *_args: Any, **_kwargs: Any) -> None:
+    def record_event(self, *_args: Any, **_kwargs: Any) -> "_NoEvent":
+        return _NoEvent()
+
+
+class _NoEvent:
+    """Stands in for a CUDA event: the host already waited for everything."""
+
+    def synchronize(self) -> None:
         return None
+
+    def wait(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
 
 
 def _patch_torch_cuda_calls() -> None:
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *_a, **_k: None
     torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
+    # megatron-core's MoE all-to-all dispatcher makes a side stream for its device-to-host
+    # copies of the split sizes and enters it with ``torch.cuda.stream``
+    torch.cuda.Stream = _NoStream  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
 
 
 def _is_cuda_device(device: Any) -> bool:

@@ -20,7 +20,6 @@ step; T: tokens of the whole global batch).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import runpy
@@ -30,32 +29,11 @@ import torch
 import torch.distributed as dist
 
 
-class _NoStream:
-    """``torch.cuda.Stream`` on a CPU: every wait and record is immediate."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_event(self, *args, **kwargs) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, *args, **kwargs) -> None:
-        pass
-
-
 def install_cpu_stand_ins() -> None:
     """Replace the CUDA calls of Megatron-LM's start-up and loop with CPU equivalents."""
     from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
 
-    enable_cpu_megatron()
-    torch.cuda.Stream = _NoStream
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    enable_cpu_megatron()  # also torch.cuda.Stream / torch.cuda.stream
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()

@@ -246,9 +246,12 @@ _VALIDATE = textwrap.dedent("""
     from megatron.training.arguments import parse_args, validate_args
     from megatron_bytescale.integration import megatron_lm
     flag_sets, attributes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    # validate_args reads the GPU architecture when TP > 1: answer as the GPU named
+    # validate_args reads the GPU architecture when TP > 1, and its compute capability for
+    # --moe-grouped-gemm: answer as the GPU named
+    import torch
     device_arch = int(sys.argv[3])
     arguments.get_device_arch_version = lambda: device_arch
+    torch.cuda.get_device_capability = lambda *a, **k: (device_arch, 0)
     for flags in flag_sets:
         sys.argv = ["pretrain_gpt.py"] + flags
         report = io.StringIO()  # the plugin's refusals: one report on stderr, then exit 2
@@ -284,9 +287,10 @@ def validate_megatron_flags(tree: PatchedMegatronLM, flag_sets: Sequence[Sequenc
     """Run the patched ``parse_args`` + ``validate_args`` on each flag set, in one process.
 
     ``world_size`` is what Megatron reads from ``$WORLD_SIZE`` (no process group is made).
-    With TP > 1 Megatron's ``validate_args`` asks for the GPU's major compute capability; it
-    gets ``device_arch`` (9: Hopper, as Megatron's H100 examples; then it requires
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which those examples export and so does this call).
+    With TP > 1 (and for ``--moe-grouped-gemm``) Megatron's ``validate_args`` asks for the
+    GPU's major compute capability; it gets ``device_arch`` (9: Hopper, as Megatron's H100
+    examples; then it requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which those examples export
+    and so does this call).
     Returns, per flag set, the ``attributes`` of the validated args or the refusal.
     """
     run = subprocess.run(

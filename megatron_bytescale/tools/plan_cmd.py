@@ -27,6 +27,7 @@ from .plan_inputs import (
     load_cost_model,
     load_lengths,
     load_topology,
+    moe_note,
     run_command,
 )
 
@@ -223,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
           f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
           f"{', two-level rings' if args.two_level_ring else ''}")
     _print_table(rows, failed)
+    note = moe_note(args)
+    if note:
+        print(note)
     for plan in plans.values():
         _report_overlong(plan)
     chosen = plans[args.scheduler]

@@ -151,6 +151,28 @@ def model_name(args: argparse.Namespace) -> str:
     return args.model or DEFAULT_MODEL
 
 
+def moe_note(args: argparse.Namespace) -> str | None:
+    """What a mixture-of-experts ``--model`` preset's numbers are, in one line (None: dense).
+
+    The presets' cost model counts the experts as top-k dense FFNs on every rank (no expert
+    parallelism, no all-to-all), and the plugin trains MoE under HDP only with TP = PP = EP = 1
+    (docs/moe.md), so the output must not read as a measured or trainable MoE layout.
+    """
+    from ..planner.presets import model_spec
+
+    if args.cost_model:
+        return None
+    spec = model_spec(model_name(args))
+    if spec.num_experts <= 1:
+        return None
+    return (f"note: {spec.name} is a mixture-of-experts model ({spec.num_experts} experts, "
+            f"top-{spec.moe_router_topk}); the cost model counts its experts as top-"
+            f"{spec.moe_router_topk} dense FFNs on every rank, without expert parallelism or "
+            "its all-to-all, and the plugin trains MoE under HDP with tensor, pipeline and "
+            "expert parallelism 1 only (docs/moe.md): an analytic estimate, not a trainable "
+            "layout")
+
+
 def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     """The cost model (``--cost-model`` file, else the ``--model`` preset at its or the given
     TP; two-level rings with ``--two-level-ring``) and the PP size (``--pp-size``, else the

@@ -27,11 +27,12 @@ from .plan_inputs import (
     add_cluster_arguments,
     add_data_arguments,
     add_scheduling_arguments,
+    check_global_tokens,
     load_cost_model,
     load_lengths,
     load_topology,
-    check_global_tokens,
     model_name,
+    moe_note,
     positive_int,
     run_command,
 )
@@ -232,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
           f"cost model {cost_model.name}{', two-level rings' if cost_model.two_level_ring else ''}; {overhead_line}")
     print(summary_table(summaries))
     print(f"({NOTE})")
+    note = moe_note(args)
+    if note:
+        print(note)
     for line in errors(summaries):
         print(line)
     status = 0

@@ -124,7 +124,18 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
         ((), dict(attention_dropout=0.1), "--attention-dropout 0.1"),
         ((), dict(ddp_average_in_collective=True), "--ddp-average-in-collective"),
-        ((), dict(num_experts=8), "--num-experts"),
+        ((), dict(num_experts=8, moe_expert_capacity_factor=1.0),
+         "--moe-expert-capacity-factor 1.0"),
+        ((), dict(num_experts=8, moe_router_load_balancing_type=["seq_aux_loss"]),
+         "--moe-router-load-balancing-type seq_aux_loss"),
+        ((), dict(num_experts=8, moe_router_load_balancing_type="global_aux_loss"),
+         "--moe-router-load-balancing-type global_aux_loss"),
+        ((), dict(num_experts=8, moe_router_enable_expert_bias=True),
+         "--moe-router-enable-expert-bias"),
+        ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True),
+         "--tensor-model-parallel-size 2 cannot be combined with --num-experts"),
+        ((), dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
+        ((), dict(num_experts=8, add_bias_linear=True), "--disable-bias-linear"),
         ((), dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
         ((), dict(iterations_to_skip=[5]), "--iterations-to-skip"),
         ((), dict(mock_data=False), "--data-path"),
@@ -146,6 +157,17 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     err = capsys.readouterr().err
     assert err.startswith("megatron_bytescale: error: ") and flag in err
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_flags_pass_with_expert_parallelism_1(dispatcher):
+    """--num-experts, top-k, the dispatcher and the aux-loss flags train under HDP (EP 1)."""
+    args = megatron_namespace(
+        "--bytescale-hdp", mock_data=True, **tiny_model_args(),
+        num_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.01],
+        moe_z_loss_coeff=1e-3, add_bias_linear=False)
+    assert megatron_lm.hdp_refusals(args) == []
 
 
 def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):

@@ -39,17 +39,19 @@ BYTESCALE_ADDITIONS = ["--bytescale-hdp", "--bytescale-capacity", "4096",
                        "--bytescale-scheduler", "balance"]
 
 
-def example_flags(tree: PatchedMegatronLM, script: Path, workdir: Path) -> list[str]:
+def example_flags(tree: PatchedMegatronLM, script: Path, workdir: Path,
+                  script_args: tuple[str, ...] = ("ckpt", "tb")) -> list[str]:
     """The flags ``script`` passes to ``pretrain_gpt.py`` (its ``torchrun`` replaced by a stub
-    that writes its arguments as JSON; the script runs in ``workdir``)."""
+    that writes its arguments as JSON; the script runs in ``workdir`` with ``script_args``,
+    paths under ``workdir``)."""
     stub = workdir / "bin" / "torchrun"
     stub.parent.mkdir(parents=True, exist_ok=True)
     stub.write_text('#!/usr/bin/env python3\nimport json, sys\n'
                     'print("FLAGS " + json.dumps(sys.argv[1:]))\n')
     stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
     (workdir / "pretrain_gpt.py").write_text("")  # the script checks that it exists
-    run = subprocess.run(["bash", str(tree.root / script), str(workdir / "ckpt"),
-                          str(workdir / "tb")], cwd=workdir, capture_output=True, text=True,
+    run = subprocess.run(["bash", str(tree.root / script),
+                          *(str(workdir / a) for a in script_args)], cwd=workdir, capture_output=True, text=True,
                          env=dict(os.environ, PATH=f"{stub.parent}{os.pathsep}"
                                                    f"{os.environ['PATH']}"), timeout=60)
     line = next((x for x in run.stdout.splitlines() if x.startswith("FLAGS ")), None)

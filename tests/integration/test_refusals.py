@@ -94,3 +94,25 @@ def test_sequence_longer_than_all_ranks_hold_is_refused_by_the_planner():
     assert plan([100, 30]).hdp_size == 4
     with pytest.raises(ValueError, match="sequence 1 has 300 tokens"):
         plan([100, 300])
+
+
+@pytest.mark.parametrize("changes, flag", [
+    (dict(moe_expert_capacity_factor=1.25), "--moe-expert-capacity-factor 1.25"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01),
+     "--moe-router-load-balancing-type seq_aux_loss"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type sinkhorn"),
+    (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps 0.01"),
+    (dict(add_bias_linear=True), "--disable-bias-linear"),
+])
+def test_moe_settings_without_a_placement_independent_meaning_are_refused(changes, flag):
+    """The model builder refuses them before building, naming the flag (docs/moe.md)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_bytescale.integration.moe import check_moe_config
+
+    settings = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                    moe_router_topk=2, add_bias_linear=False, calculate_per_token_loss=True)
+    check_moe_config(TransformerConfig(**settings))  # the plain MoE settings pass
+    with pytest.raises(ValueError, match=re.escape(flag)) as info:
+        check_moe_config(TransformerConfig(**{**settings, **changes}))
+    assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))

@@ -131,3 +131,15 @@ def test_same_plan_hash_in_two_processes():
     lengths = synthetic_lengths("github", 3_000_000, seed=3, max_length=262144)
     here = make_plan(lengths, scheduler="balance", hdp_size=48, capacity=8192, cost_model=preset_cost_model())
     assert f"balance {here.content_hash()}" in outs[0]
+
+
+def test_cli_says_what_a_moe_preset_plan_is(capsys):
+    """A Mistral (MoE) preset's plan says its experts are modelled as dense FFNs and what the
+    plugin trains; a dense preset's says nothing of the kind."""
+    base = ["--global-tokens", "400000", "--hdp-size", "8", "--no-offload", "--quiet"]
+    assert main(base + ["--model", "mistral-8x7b"]) == 0
+    out = capsys.readouterr().out
+    assert "note: mistral-8x7b is a mixture-of-experts model (8 experts, top-2)" in out
+    assert "expert parallelism 1 only" in out
+    assert main(base + ["--model", "llama-7b"]) == 0
+    assert "mixture-of-experts" not in capsys.readouterr().out

@@ -1,0 +1,229 @@
+"""Mixture-of-experts layers under HDP: which MoE settings train, and the router losses.
+
+The MoE layer itself is megatron-core's (router, token dispatcher, experts; built by
+:mod:`.layer_spec`): routing is per token, so without token dropping a token's expert output
+does not depend on which other tokens share its micro-batch, and an HDP micro-batch (a pack of
+short documents, or one member's zigzag share of a ring) routes every token exactly as a
+micro-batch holding its document alone would. With expert parallelism 1 the dispatcher never
+leaves the rank, so ranks may run different numbers of micro-batches.
+
+The router's *auxiliary* losses are not per token, and megatron-core computes them over the
+micro-batch it is given. Under HDP that would make them depend on the plan (which documents
+were packed together, how a long one was split over a ring). :func:`install_hdp_router_losses`
+gives them one placement-independent meaning instead (docs/moe.md):
+
+* **load-balancing loss** (``moe_router_load_balancing_type="aux_loss"``): megatron-core's
+  switch loss of every *document* on its own, weighted by the document's tokens, exactly what
+  megatron-core computes for a micro-batch holding that one document with
+  ``calculate_per_token_loss=True``. A ring member routes only its share of a long document; the
+  per-expert token counts of that document are summed over the ring's members (one small
+  exchange per MoE layer on the ring), as megatron-core sums them over its static CP group;
+* **z-loss**: per real token (padding rows of a ring slot are left out);
+* both are added to the micro-batch's loss *sum* and, like the language-model loss, divided by
+  the global batch's loss-token count by ``finalize_model_grads``.
+
+The router's own aux-loss and z-loss paths are switched off on that router (its
+``routing_type`` and a private copy of its config) so nothing is counted twice; everything
+else (scores, top-k, the dispatcher, the experts) stays megatron-core's.
+
+Refused (each message names its flag): token dropping (``--moe-expert-capacity-factor``: which
+tokens an expert drops depends on the micro-batch), the sequence-level and global-batch
+aux-loss types and Sinkhorn routing (their groups assume Megatron's static DP x CP
+micro-batches), expert bias and input jitter (they count or perturb padding rows), expert
+parallelism > 1 (``HDPParallelLayout``), and tensor / pipeline parallelism with MoE (its
+gradients are checked against megatron-core with TP = PP = 1 only).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_TAG_EXPERT_COUNTS = 5  # ring traffic uses tags 1-4 (ring_attention, two_level_ring)
+SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
+
+
+def _single(value: Any) -> Any:
+    """Megatron-LM parses some MoE flags with ``nargs='+'``; one value means that value."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def moe_refusals(settings: Any) -> list[str]:
+    """Every reason the MoE settings cannot train under HDP (empty: they can, or no MoE).
+
+    ``settings`` is a ``TransformerConfig`` (``num_moe_experts``) or Megatron-LM's ``args``
+    (``num_experts``). Expert parallelism > 1 is refused by ``HDPParallelLayout``.
+    """
+    experts = getattr(settings, "num_moe_experts", None) or getattr(settings, "num_experts", None)
+    if not experts:
+        return []
+    reasons = []
+    balancing = _single(getattr(settings, "moe_router_load_balancing_type", "aux_loss"))
+    if not isinstance(balancing, str) or balancing not in SUPPORTED_LOAD_BALANCING:
+        shown = " ".join(balancing) if isinstance(balancing, (list, tuple)) else balancing
+        reasons.append(
+            f"--moe-router-load-balancing-type {shown} cannot be combined with --bytescale-hdp: "
+            "use aux_loss (computed per document, the same wherever the plan puts it) or none"
+        )
+    capacity = getattr(settings, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity >= 0:  # megatron-core reads a negative one as unset
+        reasons.append(
+            f"--moe-expert-capacity-factor {capacity} cannot be combined with --bytescale-hdp: "
+            "which tokens an expert drops would depend on the documents the plan packs "
+            "together; leave it unset (no token dropping)"
+        )
+    if getattr(settings, "moe_router_enable_expert_bias", False):
+        reasons.append("--moe-router-enable-expert-bias cannot be combined with --bytescale-hdp: "
+                       "its token counts would include padding rows; leave it off")
+    if getattr(settings, "moe_input_jitter_eps", None):
+        reasons.append(f"--moe-input-jitter-eps {settings.moe_input_jitter_eps} cannot be "
+                       "combined with --bytescale-hdp; leave it unset")
+    if getattr(settings, "add_bias_linear", False) and not getattr(settings, "moe_grouped_gemm",
+                                                                   False):
+        reasons.append(
+            "biased linear layers (the default; --disable-bias-linear turns them off) cannot "
+            "run MoE experts one by one (SequentialMLP, no --moe-grouped-gemm): megatron-core "
+            "adds an expert's bias in place on a tensor autograd forbids changing; pass "
+            "--disable-bias-linear (Mixtral has no biases)"
+        )
+    for flag, attribute in (
+        ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
+        ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+    ):
+        size = getattr(settings, attribute, 1) or 1
+        if size != 1:
+            reasons.append(
+                f"{flag} {size} cannot be combined with --num-experts under --bytescale-hdp: "
+                f"MoE trains under HDP with {flag} 1"
+            )
+    return reasons
+
+
+def check_moe_config(config: Any) -> None:
+    """Raise ValueError (one line per reason) if HDP cannot train these MoE settings."""
+    reasons = moe_refusals(config)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+
+
+def install_hdp_router_losses(model: torch.nn.Module) -> int:
+    """Give every top-k router of ``model`` the HDP aux-loss and z-loss; returns how many.
+
+    Called once when the model is built (``ByteScaleGPTModel`` does it). Routers without an
+    aux loss or z-loss get no hook.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, TopKRouter):
+            continue
+        check_moe_config(module.config)
+        aux_coeff = float(module.get_aux_loss_coeff("aux_loss"))
+        z_coeff = module.config.moe_z_loss_coeff
+        if not aux_coeff and not z_coeff:
+            continue
+        module.routing_type = "none"  # megatron-core's own aux loss: off on this router
+        own = copy.copy(module.config)  # z-loss: off in a private copy, read by this router only
+        own.moe_z_loss_coeff = None
+        module.config = own
+        module.register_forward_hook(
+            partial(_router_losses_hook, aux_coeff=aux_coeff, z_coeff=float(z_coeff or 0.0))
+        )
+        count += 1
+    logger.debug("HDP router losses (per-document aux loss, per-token z-loss) on %d routers",
+                 count)
+    return count
+
+
+def _router_losses_hook(router: torch.nn.Module, args: tuple, output: Any, *,
+                        aux_coeff: float, z_coeff: float) -> Any:
+    if not (router.training and torch.is_grad_enabled()):
+        return output
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from .groups import installed_hdp_manager
+
+    manager = installed_hdp_manager()
+    bound = manager.bound if manager is not None else None
+    if bound is None:
+        raise RuntimeError(
+            "the HDP router losses need the micro-batch bound to the HDP group manager; train "
+            "through run_hdp_step / the patched Megatron-LM loop"
+        )
+    probs, routing_map = output
+    logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
+    loss = router_losses(logits, bound.layout, topk=router.topk,
+                         score_function=router.score_function, aux_coeff=aux_coeff,
+                         z_coeff=z_coeff, hdp=manager.hdp)
+    return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
+
+
+def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_function: str,
+                  aux_coeff: float, z_coeff: float, hdp: Optional[Any] = None) -> torch.Tensor:
+    """This micro-batch's share of the HDP router losses, as a *sum* (never averaged here).
+
+    ``logits`` are the router's ``[rows, experts]`` logits of the micro-batch in ``layout``'s
+    buffer order. Load balancing: for every slot (document), megatron-core's switch loss over
+    the document's tokens held here, with the per-expert counts of the *whole* document (summed
+    over the ring when it is shared) and its full length, times that length. Summed over the
+    ring members this is ``length x aux(document)``, what megatron-core adds for a micro-batch
+    holding the document alone. z-loss: ``z_coeff x sum of logsumexp(logits)^2`` over real rows.
+    """
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+        z_loss_func,
+    )
+
+    experts = logits.size(-1)
+    total = logits.new_zeros((), dtype=torch.float32)
+    real = [torch.arange(s.offset, s.offset + s.num_real, device=logits.device)
+            for s in layout.slots]
+    if z_coeff and layout.slots:
+        rows = torch.cat(real)
+        if rows.numel():
+            total = total + z_loss_func(logits[rows], z_coeff) * rows.numel()
+    if aux_coeff and layout.slots:
+        routing_map, scores = compute_routing_scores_for_aux_loss(logits, topk, score_function)
+        counts = torch.stack([routing_map[r].sum(dim=0) for r in real]).to(torch.float32)
+        if len(layout.ring.members) > 1:
+            counts = ring_sum(counts, layout.ring, hdp)
+        for index, (slot, r) in enumerate(zip(layout.slots, real)):
+            if not r.numel():
+                continue
+            aux = switch_load_balancing_loss_func(
+                probs=scores[r], tokens_per_expert=counts[index], total_num_tokens=slot.length,
+                topk=topk, num_experts=experts, moe_aux_loss_coeff=aux_coeff)
+            total = total + aux * slot.length
+    return total
+
+
+def ring_sum(tensor: torch.Tensor, ring: Any, hdp: Any) -> torch.Tensor:
+    """``tensor`` summed over the members of ``ring`` (every member gets the same sum).
+
+    ``size - 1`` shifts around the ring on the HDP ring group; the partial sums are added in
+    ring order starting from each member's own value, so with integer-valued counts (exact in
+    fp32) every member holds identical numbers.
+    """
+    from megatron_bytescale.runtime.ring_comm import RingComm
+
+    if hdp is None:
+        raise RuntimeError("summing over a ring needs the HDP group")
+    comm = RingComm(hdp, ring, tag=_TAG_EXPERT_COUNTS)
+    total = tensor.clone()
+    moving = tensor.contiguous()
+    for _ in range(len(ring.members) - 1):
+        received = comm.send_recv(moving)
+        comm.commit()
+        comm.wait()
+        total = total + received
+        moving = received
+    return total

@@ -1,0 +1,75 @@
+"""A small Mixtral-style MoE trains through the patched Megatron-LM ``pretrain_gpt.py`` (HDP).
+
+One run on 2 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
+``megatron_bytescale.testing.megatron_lm``): 4 experts, top-2, the all-to-all dispatcher,
+SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, expert
+parallelism 1. Megatron's own loop runs the steps; the HDP summary line is in the log.
+The gradients themselves are checked against megatron-core in ``test_moe_training.py``.
+
+Megatron's own ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (PP 4, EP 8) with the
+documented ``--bytescale-*`` additions is refused naming exactly its two parallel sizes HDP does
+not serve for MoE; with PP 1 and EP 1 its flags pass the patched ``validate_args``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megatron_bytescale.testing.megatron_lm import run_pretrain_gpt, validate_megatron_flags
+
+from .megatron_lm_cases import random_documents, write_indexed_dataset
+from .test_megatron_lm_parallel import (
+    BYTESCALE_ADDITIONS,
+    PRETRAIN,
+    _losses,
+    _said,
+    example_flags,
+    with_flag,
+)
+
+MIXTRAL_EXAMPLE = Path("examples") / "mixtral" / "train_mixtral_8x7b_distributed.sh"
+
+MIXTRAL_STYLE = ["--num-experts", "4", "--moe-router-topk", "2",
+                 "--moe-token-dispatcher-type", "alltoall",
+                 "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+                 "--moe-z-loss-coeff", "1e-3", "--moe-ffn-hidden-size", "96",
+                 "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                 "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tmp_path):
+    write_indexed_dataset(tmp_path / "text_document", random_documents(7, 120, vocab=255))
+    flags = [*PRETRAIN, *MIXTRAL_STYLE, "--data-path", str(tmp_path / "text_document"),
+             "--split", "98,1,1"]
+    run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=2, cwd=tmp_path)
+    assert run.returncode == 0, run.tail()
+    losses = _losses(run.stdout)
+    assert len(losses) == 3 and all(x == x and 0 < x < 20 for x in losses), losses
+    summaries = re.findall(r"\[ByteScale HDP\] iteration .*", run.stdout)
+    assert len(summaries) == 3, run.tail()
+    rings = [int(r.split("x")[0]) for line in summaries
+             for r in re.search(r"\| rings ([\dx ]+) \|", line).group(1).split()]
+    assert max(rings) == 2, summaries  # documents longer than the capacity ran on a ring
+
+
+def test_mixtral_example_is_refused_only_for_its_expert_and_pipeline_sizes(patched_megatron_lm,
+                                                                           tmp_path):
+    flags = example_flags(patched_megatron_lm, MIXTRAL_EXAMPLE, tmp_path,
+                          ("ckpt", "tokenizer.model", "data/text_document"))
+    assert "--num-experts" in flags and "--moe-grouped-gemm" in flags  # the example's own
+    as_given = [*flags, *BYTESCALE_ADDITIONS]
+    ep1 = with_flag(with_flag(as_given, "--expert-model-parallel-size", "1"),
+                    "--pipeline-model-parallel-size", "1")
+    refused, served = validate_megatron_flags(
+        patched_megatron_lm, [as_given, ep1],
+        ("bytescale_hdp", "num_experts", "moe_router_topk", "data_parallel_size",
+         "calculate_per_token_loss", "moe_token_dispatcher_type"), world_size=8)
+    said = _said(refused)
+    assert refused.refused and "cannot run with these 2 arguments" in said, said
+    assert "--expert-model-parallel-size 8" in said
+    assert "--pipeline-model-parallel-size 4 cannot be combined with --num-experts" in said
+    assert not served.refused, _said(served)
+    assert served.values == dict(bytescale_hdp=True, num_experts=8, moe_router_topk=2,
+                                 data_parallel_size=8, calculate_per_token_loss=True,
+                                 moe_token_dispatcher_type="alltoall")
