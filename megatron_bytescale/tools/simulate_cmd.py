@@ -200,10 +200,15 @@ def run(args: argparse.Namespace) -> int:
     topology = load_topology(args, cost_model)
     tp = _tensor_parallel_size(args)
     overheads, overhead_line = _overheads(args, tp=tp, pp=pp)
+    if args.vpp_size != 1:
+        from ..planner.plan import check_virtual_pipeline
+
+        check_virtual_pipeline(args.vpp_size, pp, max(1, cost_model.num_layers // pp))
     setup = ClusterSetup(
         hdp_size=args.hdp_size, capacity=args.capacity, cost_model=cost_model, pp_size=pp,
         tensor_parallel_size=tp, align=args.align, overlong=args.overlong, delta=args.delta,
         num_buckets=args.num_buckets, overheads=overheads, topology=topology,
+        virtual_pipeline_size=args.vpp_size,
     )  # fmt: skip
     if args.lengths is not None:
         if args.steps > 1:
