@@ -54,20 +54,22 @@ def progress(msg: str) -> None:
     print(f"[bench_pipeline_floor] {msg}", file=sys.stderr, flush=True)
 
 
-def cell(model: str, dataset: str, context: int) -> dict:
-    setup = paper.paper_setup(model)
+def cell(model: str, dataset: str, context: int, hardware: str) -> dict:
+    setup = paper.paper_setup(model, hardware=hardware)
     cm = setup.cost_model
     lengths = synthetic_lengths(dataset, paper.GLOBAL_TOKENS, seed=0, max_length=context)
     naive, _ = plan_for(lengths, VARIANTS["naive"], setup, context_length=context)
+    naive_eq3, _ = plan_for(lengths, VARIANTS["naive+offload"], setup, context_length=context)
     plan, wall = plan_for(lengths, VARIANTS["balance"], setup, context_length=context)
     base = simulate_step(plan, cm, overheads=setup.overheads, tensor_parallel_size=setup.tensor_parallel_size)
     naive_step = simulate_step(naive, cm, overheads=setup.overheads, tensor_parallel_size=setup.tensor_parallel_size)
     fixed = base.step_time_s - base.micro_batch_phase_s  # gradient reduction + optimizer (+ data wait: 0)
     costs = micro_batch_costs(plan, cm)
     out = {
-        "model": model, "dataset": dataset, "context": context, "gpus": setup.num_gpus,
+        "hardware": hardware, "model": model, "dataset": dataset, "context": context, "gpus": setup.num_gpus,
         "pipelines": setup.hdp_size, "pp": setup.pp_size, "fixed_s": fixed,
-        "naive_phase_s": naive_step.micro_batch_phase_s, "phase_s": base.micro_batch_phase_s,
+        "naive_phase_s": naive_step.micro_batch_phase_s,
+        "naive_eq3_phase_s": simulate_step(naive_eq3, cm).micro_batch_phase_s, "phase_s": base.micro_batch_phase_s,
         "lower_bound_s": base.lower_bound_s,
         "pp_critical_s": critical_path(plan, cm, costs), "rings": int((costs.ring_sizes > 1).sum()),
         "max_stage_s": float(costs.seconds.max(initial=0.0)), "plan_wall_s": wall,
@@ -107,7 +109,7 @@ def best(row: dict, costing: str) -> tuple[float, str, float | None]:
 
 
 def tables(rows: list[dict]) -> tuple[str, str]:
-    head = ["model", "data", "context", "naive phase s", "balance phase s (1F1B)", "work bound s",
+    head = ["model", "data", "context", "naive phase s", "naive + Eq. 3 phase s", "balance phase s (1F1B)", "work bound s",
             "PP x critical s", "VPP 2 s", "VPP 4 s", "VPP step speedup",
             *(f"split {c}: best phase s (step speedup, k, which)" for c in COSTINGS)]
     body = []
@@ -118,7 +120,8 @@ def tables(rows: list[dict]) -> tuple[str, str]:
             sp, what, phase = best(r, c)
             cells.append(f"{fmt(phase)} ({sp:.2f}x, {what})")
         body.append([
-            r["model"], r["dataset"], format_tokens(r["context"]), fmt(r["naive_phase_s"]), fmt(r["phase_s"]),
+            r["model"], r["dataset"], format_tokens(r["context"]), fmt(r["naive_phase_s"]),
+            fmt(r["naive_eq3_phase_s"]), fmt(r["phase_s"]),
             fmt(r["lower_bound_s"]), fmt(r["pp_critical_s"]), fmt(r["vpp2_s"]), fmt(r["vpp4_s"]),
             f"{vpp_best:.2f}x", *cells,
         ])
@@ -139,43 +142,50 @@ def tables(rows: list[dict]) -> tuple[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated models (default: the three PP models)")
+    ap.add_argument("--hardware", default="paper-fit,h100",
+                    help="hardware presets, comma-separated (default: paper-fit, Fig. 17's, and h100)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     models = args.only.split(",") if args.only else list(paper.PP_BALANCE_MODELS)
     rows = []
     start = time.perf_counter()
-    for model in models:
-        for dataset in ("github", "byted"):
-            for ctx in paper.FIG17_CONTEXTS:
-                if ctx > paper.FIG17_MAX_CONTEXT.get(model, 1 << 40):
-                    continue
-                rows.append(cell(model, dataset, ctx))
-                r = rows[-1]
-                progress(f"{model} {dataset} {format_tokens(ctx)}: 1F1B {r['phase_s']:.1f} s, VPP4 "
-                         f"{fmt(r['vpp4_s'])}, best ideal/cached/ring split "
-                         f"{[round(best(r, c)[0], 3) for c in COSTINGS]} ({time.perf_counter() - start:.0f} s)")
+    for hardware in args.hardware.split(","):
+        for model in models:
+            for dataset in ("github", "byted"):
+                for ctx in paper.FIG17_CONTEXTS:
+                    if ctx > paper.FIG17_MAX_CONTEXT.get(model, 1 << 40):
+                        continue
+                    rows.append(cell(model, dataset, ctx, hardware))
+                    r = rows[-1]
+                    progress(f"{hardware} {model} {dataset} {format_tokens(ctx)}: 1F1B {r['phase_s']:.1f} s, VPP4 "
+                             f"{fmt(r['vpp4_s'])}, best ideal/cached/ring split "
+                             f"{[round(best(r, c)[0], 3) for c in COSTINGS]} ({time.perf_counter() - start:.0f} s)")
     Path("out").mkdir(exist_ok=True)
     Path("out/bench_pipeline_floor.json").write_text(json.dumps(rows, indent=1))
-    table, summary = tables(rows)
-    print(table)
-    print(summary)
+    parts = []
+    for hardware in args.hardware.split(","):
+        table, summary = tables([r for r in rows if r["hardware"] == hardware])
+        parts.append(f"Hardware preset `{hardware}`:\n\n{table}\n\n{summary}")
+    text = "\n\n".join(parts)
+    print(text)
     if args.no_write:
         return
     intro = (
         "## Pipeline floor: interleaved stages and sequence chunks on the Fig. 17 PP cells "
         "(`scripts/bench_pipeline_floor.py`)\n\n"
         + machine_line() + "\n\nSimulated, planner only (no timing on this machine). The PP-Balance plan of "
-        "each Fig. 17 PP cell (seed 0, `paper-fit` preset, the reproduction's setup) timed under 1F1B (the "
+        "each Fig. 17 PP cell (seed 0, the reproduction's setup, on Fig. 17's `paper-fit` preset and on the `h100` datasheet preset) timed under 1F1B (the "
         "estimate), interleaved 1F1B with 2 and 4 virtual stages, and every ring micro-batch split into "
         "k = 2, 4, 8 causal chunks, all of them or only those of at least half the longest stage time (`ideal`: "
         "work-proportional, an upper bound; `cached`: the cost model's ring formula per chunk, members keeping "
         "earlier chunks' K/V; `ring`: the same, each chunk's ring rotating its whole prefix's K/V). Phase = micro-batch phase (slowest pipeline); the work bound is busy stage-seconds over "
         "pipelines; PP x critical = the slowest micro-batch's fastest ring crossing every stage. Step speedup "
         "= (phase + gradient reduction + optimizer) over the same with the new phase. Naive = Alg. 1 "
-        "without offload. Decision in docs/pipeline.md.\n\n"
+        "without offload, naive + Eq. 3 = with Eq. 3's offloaded rings; balance = PP-Balance as of this "
+        "branch (the scheduler's own changes are reported with Fig. 17 in docs/reproduction.md). Decision in docs/pipeline.md.\n\n"
     )
-    write_section("pipeline_floor", intro + table + "\n\n" + summary)
-    write_section("seq_split_numbers", table + "\n\n" + summary, PIPELINE_MD)
+    write_section("pipeline_floor", intro + text)
+    write_section("seq_split_numbers", text, PIPELINE_MD)
 
 
 if __name__ == "__main__":
