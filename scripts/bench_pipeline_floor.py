@@ -10,7 +10,7 @@ offload) exactly as the reproduction does, then times the *same* PP-Balance plan
 
 * 1F1B (today's estimate), interleaved 1F1B with 2 and 4 virtual stages per stage
   (:func:`megatron_bytescale.planner.pipeline_floor.time_plan`);
-* ring micro-batches (all, or those of at least half the longest stage time) split into
+* ring micro-batches (all, those of at least half the longest stage time, or the longest) split into
   k = 2, 4, 8 causal chunks, costed ``ideal`` (the micro-batch's time divided in proportion
   to its work: an upper bound on the gain), ``cached`` and ``ring`` (the cost model's ring
   formula per chunk; see :mod:`megatron_bytescale.planner.pipeline_floor`).
@@ -44,9 +44,13 @@ from megatron_bytescale.sim.variants import VARIANTS, plan_for  # noqa: E402
 PIPELINE_MD = Path(__file__).resolve().parent.parent / "docs" / "pipeline.md"
 VPPS = (2, 4)
 CHUNKS = (2, 4, 8)
-COSTINGS = ("ideal", "cached", "ring")
-#: which ring micro-batches are split: all of them, or those of at least half the longest stage time
-POLICIES = {"all": 0.0, "long": 0.5}
+COSTINGS = ("ideal", "cached", "ring", "cached-nowait")
+"""``cached-nowait``: ``cached`` with the cost model's lockstep straggler wait per ring step set to
+0, the unsplit plan re-timed the same way (speedups are against that): how much the decision
+rests on that fitted term (0 already on the h100 preset)."""
+#: which ring micro-batches are split: all of them, those of at least half the longest stage
+#: time, or only the longest
+POLICIES = {"all": 0.0, "long": 0.5, "top": 1.0}
 THRESHOLD = 1.15
 
 
@@ -80,11 +84,14 @@ def cell(model: str, dataset: str, context: int, hardware: str) -> dict:
     for v in VPPS:
         r = time_plan(plan, cm, vpp=v)
         out[f"vpp{v}_s"] = None if r is None else r.step_s
+    nowait = cm.with_(ring_straggler_s=0.0)
+    nowait_max = float(micro_batch_costs(plan, nowait).seconds.max(initial=0.0))
+    out["nowait_phase_s"] = time_plan(plan, nowait).step_s
     for costing in COSTINGS:
+        model, top, name = (nowait, nowait_max, "cached") if costing == "cached-nowait" else (cm, out["max_stage_s"], costing)
         for k in CHUNKS:
             for policy, frac in POLICIES.items():
-                r = time_plan(plan, cm, split_chunks=k, split_costing=costing,
-                              split_min_seconds=frac * out["max_stage_s"])
+                r = time_plan(plan, model, split_chunks=k, split_costing=name, split_min_seconds=frac * top)
                 out[f"split_{costing}_{policy}{k}_s"] = None if r is None else r.step_s
                 out[f"split_{costing}_{policy}{k}_bound_s"] = None if r is None else r.lower_bound_s
     return out
@@ -94,7 +101,8 @@ def speedup(row: dict, key: str) -> float | None:
     v = row.get(key)
     if v is None:
         return None
-    return (row["phase_s"] + row["fixed_s"]) / (v + row["fixed_s"])
+    base = row["nowait_phase_s"] if "nowait" in key else row["phase_s"]
+    return (base + row["fixed_s"]) / (v + row["fixed_s"])
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -176,9 +184,10 @@ def main() -> None:
         + machine_line() + "\n\nSimulated, planner only (no timing on this machine). The PP-Balance plan of "
         "each Fig. 17 PP cell (seed 0, the reproduction's setup, on Fig. 17's `paper-fit` preset and on the `h100` datasheet preset) timed under 1F1B (the "
         "estimate), interleaved 1F1B with 2 and 4 virtual stages, and every ring micro-batch split into "
-        "k = 2, 4, 8 causal chunks, all of them or only those of at least half the longest stage time (`ideal`: "
+        "k = 2, 4, 8 causal chunks: all of them, those of at least half the longest stage time, or the longest only (`ideal`: "
         "work-proportional, an upper bound; `cached`: the cost model's ring formula per chunk, members keeping "
-        "earlier chunks' K/V; `ring`: the same, each chunk's ring rotating its whole prefix's K/V). Phase = micro-batch phase (slowest pipeline); the work bound is busy stage-seconds over "
+        "earlier chunks' K/V; `ring`: the same, each chunk's ring rotating its whole prefix's K/V; `cached-nowait`: `cached` "
+        "with the fitted per-ring-step straggler wait set to 0 in both the split and the unsplit timing). Phase = micro-batch phase (slowest pipeline); the work bound is busy stage-seconds over "
         "pipelines; PP x critical = the slowest micro-batch's fastest ring crossing every stage. Step speedup "
         "= (phase + gradient reduction + optimizer) over the same with the new phase. Naive = Alg. 1 "
         "without offload, naive + Eq. 3 = with Eq. 3's offloaded rings; balance = PP-Balance as of this "
