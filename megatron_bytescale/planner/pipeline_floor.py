@@ -77,6 +77,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .cost_model import CostModel
+from .plan import StepPlan
+from .topology import Topology
 
 SPLIT_COSTINGS = ("ideal", "cached", "ring")
 
@@ -304,9 +306,9 @@ class FloorResult:
     split_micro_batches: int = 0
 
 
-def time_plan(plan, cost_model: CostModel, *, vpp: int = 1, split_chunks: int = 1, split_costing: str = "ideal",
+def time_plan(plan: StepPlan, cost_model: CostModel, *, vpp: int = 1, split_chunks: int = 1, split_costing: str = "ideal",
               split_min_ring: int = 2, split_min_seconds: float = 0.0, own_tables: bool = False,
-              topology=None) -> FloorResult | None:
+              topology: Topology | None = None) -> FloorResult | None:
     """Time ``plan`` (PP > 1) with ``vpp`` virtual stages, or with every ring micro-batch of at
     least ``split_min_ring`` members and ``split_min_seconds`` stage time split into
     ``split_chunks`` causal chunks (``vpp`` 1). None if that schedule deadlocks."""
