@@ -314,6 +314,8 @@ def time_plan(plan: StepPlan, cost_model: CostModel, *, vpp: int = 1, split_chun
     ``split_chunks`` causal chunks (``vpp`` 1). None if that schedule deadlocks."""
     from .estimate import micro_batch_costs  # estimate imports this module
 
+    if isinstance(split_chunks, bool) or not isinstance(split_chunks, int) or split_chunks < 1:
+        raise ValueError(f"split_chunks ({split_chunks!r}) must be an integer >= 1")
     if split_chunks > 1 and vpp > 1:
         raise ValueError("sequence chunks are modelled with vpp 1 only")
     costs = micro_batch_costs(plan, cost_model, topology)
@@ -325,6 +327,7 @@ def time_plan(plan: StepPlan, cost_model: CostModel, *, vpp: int = 1, split_chun
     if split_chunks > 1:
         # unit ids: order * split_chunks + chunk, so list order stays ascending
         new_seconds: dict[int, float] = {}
+        split_orders: set[int] = set()
         busy = 0.0
         for k, o in enumerate(costs.orders.tolist()):
             d = int(costs.ring_sizes[k])
@@ -339,13 +342,14 @@ def time_plan(plan: StepPlan, cost_model: CostModel, *, vpp: int = 1, split_chun
                     new_seconds[o * split_chunks + i] = float(t[i])
                     groups[o * split_chunks + i] = o
                 busy += float(t.sum()) * d
-                split += 1
+                split_orders.add(o)
             else:
                 new_seconds[o * split_chunks] = float(costs.seconds[k])
                 busy += float(costs.seconds[k]) * d
         seconds = new_seconds
-        lists = [[o * split_chunks + i for o in ol for i in (range(split_chunks) if o * split_chunks + 1 in
-                                                              new_seconds else (0,))] for ol in lists]
+        split = len(split_orders)
+        lists = [[o * split_chunks + i for o in ol for i in (range(split_chunks) if o in split_orders else (0,))]
+                 for ol in lists]
     sim = simulate_schedule(lists, seconds, pp=plan.pp_size, vpp=vpp, forward_fraction=cost_model.forward_fraction,
                             chunk_groups=groups or None, own_tables=own_tables)
     if sim is None:

@@ -292,3 +292,30 @@ def test_the_gantt_draws_every_model_chunk():
     bars = rank_intervals(p2, cm)
     assert [len(b) for b in bars] == [4 * len(rp.micro_batches) for rp in plan.ranks]
     assert max(end for b in bars for _, end, _ in b) <= p2.estimate.step_time_s + 1e-12
+
+
+def test_ring_costing_charges_only_the_chunk_s_own_linear_work():
+    # with free links both ring costings are compute only: the prefix's tokens must not add linear work
+    cm = small_cost_model(num_layers=16, p2p_bandwidth_intra=1e30, p2p_bandwidth_inter=1e30, p2p_latency_s=0.0)
+    args = dict(sum_p=4096.0, sum_p2=4096.0**2, ring_size=4, layers=4, seconds=0.0, intra_node=True)
+    ring, cached = chunk_seconds(cm, chunks=4, costing="ring", **args), chunk_seconds(cm, chunks=4, costing="cached", **args)
+    np.testing.assert_allclose(ring, cached, rtol=1e-12)
+    i = np.arange(4)
+    want = 4 * (cm.beta1 * 4096 / 4 / 4 + cm.gamma + cm.alpha1 * 4096.0**2 / 4 * (2 * i + 1) / 16)
+    np.testing.assert_allclose(cached, want, rtol=1e-12)
+
+
+def test_cli_plans_with_virtual_stages(capsys):
+    from megatron_bytescale.tools.plan_cmd import main
+
+    base = ["--global-tokens", "300000", "--hdp-size", "8", "--model", "llama-70b", "--pp-size", "4",
+            "--context-length", "65536", "--quiet", "--scheduler", "balance"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--vpp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PP 4 x VPP 2" in out and "PP 4 x VPP" not in plain
+    assert main(base + ["--vpp-size", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("bytescale plan: error: virtual_pipeline_size 3 does not divide the 20 layers of a pipeline "
+                   "stage; pick a divisor of it")
