@@ -319,3 +319,21 @@ def test_cli_plans_with_virtual_stages(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("bytescale plan: error: virtual_pipeline_size 3 does not divide the 20 layers of a pipeline "
                    "stage; pick a divisor of it")
+
+
+def test_simulate_cli_times_virtual_stages(capsys, tmp_path):
+    from megatron_bytescale.tools.simulate_cmd import main
+
+    argv = ["--hdp-size", "8", "--global-tokens", "300000", "--context-length", "65536", "--model", "llama-70b",
+            "--pp-size", "4", "--variants", "balance", "--quiet"]
+    phases = {}
+    for v in (1, 4):
+        out_json = tmp_path / f"v{v}.json"
+        assert main([*argv, "--vpp-size", str(v), "--json", str(out_json)]) == 0
+        assert ("x VPP 4" in capsys.readouterr().out.splitlines()[0]) == (v == 4)
+        data = json.loads(out_json.read_text())
+        assert data["virtual_pipeline_size"] == v
+        phases[v] = data["results"][0]["micro_batch_phase_s"]
+    assert phases[4] < phases[1]
+    assert main([*argv, "--vpp-size", "3"]) == 2
+    assert "virtual_pipeline_size 3 does not divide the 20 layers" in capsys.readouterr().err
