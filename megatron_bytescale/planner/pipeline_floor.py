@@ -37,7 +37,7 @@ holds for equal micro-batches; unequal ones (HDP's lists) are timed by the event
 separate units: chunk ``i`` holds positions ``[i P_j / k, (i + 1) P_j / k)`` of every document
 and attends to the K/V of chunks ``<= i`` kept from forward, so its attention work is
 ``(2 i + 1) / k**2`` of the whole and its linear work ``1 / k``. Backward runs the chunks in
-reverse (chunk ``i``'s backward produces the dK/dV that chunk ``i - 1``'s needs). Two costings:
+reverse (chunk ``i``'s backward produces the dK/dV that chunk ``i - 1``'s needs). Three costings:
 
 * ``"ideal"``: chunk ``i`` costs the micro-batch's non-attention time over ``k`` plus its
   attention time times ``(2 i + 1) / k**2``: no extra transfer, no per-call overhead beyond
@@ -58,15 +58,18 @@ no chunk offloads (each holds ``1 / k`` of the activations).
 Stage op order with chunks: forwards in list order; before the ``j``-th backward (backward
 order: the list with every split micro-batch's chunks reversed) the stage has issued
 ``max(warm-up + j + 1, position of that backward's forward + 1)`` forwards, which is 1F1B
-when nothing is split and lets the last chunk's forward run before the first chunk's backward.
+when nothing is split and lets every chunk's forward run before the split micro-batch's first
+backward (its last chunk's).
 
 Deadlocks. Rings couple pipelines, and a schedule that orders two ring ops differently on two
-member pipelines deadlocks. Plain 1F1B orders forwards by the plan's global order on every
-pipeline; the interleaved table does not (it groups by *local* position, so a pipeline with
-micro-batches ``[a, b, c, d, e]`` runs ``a`` chunk 1 before ``e`` chunk 0 while one holding
-``[e, ...]`` runs ``e`` chunk 0 first). :func:`simulate_schedule` returns None on a deadlock;
-By default every pipeline follows one template instead (:func:`template_stage_ops`): the
-schedule of the longest list restricted to its own indices, which cannot deadlock.
+member pipelines deadlocks. Ring members hold a ring at the same local index, and plain 1F1B's
+op order at a local index does not depend on the list's length, so it never does. Megatron's
+interleaved table does: the last group takes the rest and the warm-up is capped at ``m v``, so
+pipelines ``[0, 1]`` and ``[0, ..., 7]`` sharing rings 0 and 1 (p 4, v 2) order them
+differently and deadlock (``own_tables=True`` reproduces it; :func:`simulate_schedule`
+returns None). By default every pipeline follows one template instead
+(:func:`template_stage_ops`): the schedule of the longest list, rounded up to a multiple of
+``p``, restricted to its own indices, which cannot deadlock.
 """
 
 from __future__ import annotations
