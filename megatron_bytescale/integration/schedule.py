@@ -390,6 +390,11 @@ def check_plan_pipeline(step: "HDPStep", pp_size: int) -> None:
             f"this run has --pipeline-model-parallel-size {pp_size}; build the planner with "
             f"pp_size={pp_size} (make_step_planner(..., pp_size=...))"
         )
+    if step.plan.virtual_pipeline_size != 1:
+        raise ValueError(
+            f"step {step.index}: the plan is estimated with {step.plan.virtual_pipeline_size} virtual "
+            "pipeline stages, but HDP training runs plain 1F1B; plan with virtual_pipeline_size 1"
+        )
 
 
 _OFFLOAD_WARNED = False

@@ -13,7 +13,10 @@ Model (documented here because every scheduler comparison rests on it):
 * **PP > 1**: every HDP rank is a pipeline running 1F1B over its own micro-batches, each stage
   taking the micro-batch's stage time (forward ``forward_fraction`` of it, backward the rest),
   with ring ops rendezvousing across pipelines (:func:`.order.simulate`). A rank's time is its
-  pipeline's makespan, bubbles included.
+  pipeline's makespan, bubbles included. With ``plan.virtual_pipeline_size`` v > 1 the
+  pipelines run interleaved 1F1B instead (v model chunks per stage, each op 1 / v of the
+  stage time; :func:`.pipeline_floor.simulate_schedule`, whose docstring derives the bubble
+  ``(p - 1) t / v``); v = 1 is the 1F1B above, unchanged.
 * Not modelled: the gradient all-reduce at the end of the step (the same for every scheduler),
   data loading, activation sends between PP stages, stragglers.
 
@@ -27,7 +30,7 @@ node boundary (:func:`.topology.ring_link_bytes`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,8 @@ import numpy as np
 from .cost_model import CostModel
 from .offload import max_zigzag_share_array
 from .order import Simulation, simulate
-from .plan import Estimate, StepPlan
+from .pipeline_floor import simulate_schedule
+from .plan import Estimate, PlanError, StepPlan, check_virtual_pipeline
 from .topology import Topology, placement_summary
 
 
@@ -186,8 +190,25 @@ def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False
     if plan.pp_size == 1 and not record:
         return costs, Simulation(rank_finish_s=_sequential_finish(plan, costs))
     durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+    if plan.virtual_pipeline_size > 1:
+        return costs, _interleaved(plan, durations, cost_model.forward_fraction, record)
     sim = simulate(plan, durations, forward_fraction=cost_model.forward_fraction, record=record)
     return costs, sim
+
+
+def _interleaved(plan: StepPlan, durations: dict[int, float], forward_fraction: float, record: bool) -> Simulation:
+    """The interleaved schedule of every pipeline (barriers are a PP = 1 feature; PP plans
+    carry none)."""
+    check_virtual_pipeline(plan.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)
+    if plan.meta.get("barrier_after_orders"):
+        raise PlanError("virtual pipeline stages cannot be combined with barriers between micro-batches")
+    lists = [[mb.order for mb in rp.micro_batches] for rp in plan.ranks]
+    result = simulate_schedule(lists, durations, pp=plan.pp_size, vpp=plan.virtual_pipeline_size,
+                               forward_fraction=forward_fraction, record=record)
+    if result is None:
+        raise PlanError("the interleaved schedule of this plan deadlocks: ring members must hold every "
+                        "ring micro-batch at the same local index (validate() checks it)")
+    return Simulation(rank_finish_s=result.rank_finish_s, node_times=dict(result.node_times))
 
 
 def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
@@ -260,19 +281,32 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | No
         "offloaded_micro_batches": int(np.sum(costs.offload > 0)),
         "micro_batch_counts": plan.micro_batch_counts(),
         "num_barriers": len(plan.meta.get("barrier_after_orders", []) or []),
-        "model": "sequential rendezvous" if plan.pp_size == 1 else f"1F1B x {plan.pp_size} stages, coupled rings",
+        "model": "sequential rendezvous" if plan.pp_size == 1 else (
+            f"1F1B x {plan.pp_size} stages, coupled rings" if plan.virtual_pipeline_size == 1 else
+            f"interleaved 1F1B x {plan.pp_size} stages x {plan.virtual_pipeline_size} virtual, coupled rings"),
         "inter_node_p2p_bytes": int(round(float(np.sum(costs.inter_node_bytes)))),
         "ranks_per_node": topo.ranks_per_node,
         **placement_summary(topo, [r for r in costs.rings if len(r) > 1]),
         "max_host_bytes_per_rank": float(host_bytes_per_rank(plan, cost_model, costs).max(initial=0.0)),
         "host_memory_bytes": cost_model.host_memory_bytes,
     }
+    if plan.virtual_pipeline_size > 1:
+        extra["virtual_pipeline_size"] = plan.virtual_pipeline_size
     return Estimate(
         step_time_s=step,
         rank_time_s=tuple(float(x) for x in rank_time),
         p2p_bytes=int(round(float(np.sum(costs.p2p_bytes)))),
         extra=extra,
     )
+
+
+def with_virtual_pipeline(plan: StepPlan, vpp: int, cost_model: CostModel,
+                          topology: Topology | None = None) -> StepPlan:
+    """``plan`` with ``vpp`` virtual pipeline stages per stage and the estimate of that schedule
+    (the rings and orders stay; ValueError if ``vpp`` cannot split the plan's stages)."""
+    check_virtual_pipeline(vpp, plan.pp_size, plan.layers_per_stage)
+    out = replace(plan, virtual_pipeline_size=vpp)
+    return replace(out, estimate=estimate_plan(out, cost_model, topology) if plan.estimate is not None else None)
 
 
 def host_bytes_per_rank(plan: StepPlan, cost_model: CostModel, costs: MicroBatchCosts | None = None) -> np.ndarray:

@@ -107,6 +107,9 @@ class StepPlan:
 
     ``layers_per_stage`` (l in Eq. 3) is needed to check the memory budget of micro-batches
     that offload activations; ``align`` is the zigzag padding alignment.
+    ``virtual_pipeline_size`` (v): model chunks per pipeline stage of the interleaved 1F1B
+    schedule (1: plain 1F1B); it changes the estimate (:mod:`.pipeline_floor`), not the rings.
+    It is written to JSON only when above 1, so plans without it keep their hash.
     """
 
     hdp_size: int
@@ -120,6 +123,7 @@ class StepPlan:
     estimate: Estimate | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    virtual_pipeline_size: int = 1
 
     # ------------------------------------------------------------------ queries
     def sequence_lengths(self) -> dict[int, int]:
@@ -185,6 +189,7 @@ class StepPlan:
             "pp_size": self.pp_size,
             "scheduler": self.scheduler,
             "layers_per_stage": self.layers_per_stage,
+            **({"virtual_pipeline_size": self.virtual_pipeline_size} if self.virtual_pipeline_size != 1 else {}),
             "align": self.align,
             "sequences": [{"id": s.id, "length": s.length} for s in self.sequences],
             "ranks": [
@@ -271,6 +276,7 @@ class StepPlan:
                 pp_size=_as_int(data.get("pp_size", 1), "pp_size"),
                 scheduler=scheduler,
                 layers_per_stage=_as_int(data.get("layers_per_stage", 1), "layers_per_stage"),
+                virtual_pipeline_size=_as_int(data.get("virtual_pipeline_size", 1), "virtual_pipeline_size"),
                 align=_as_int(data.get("align", 1), "align"),
                 sequences=tuple(
                     Sequence(id=_as_int(s["id"], f"sequences[{k}].id"),
@@ -398,6 +404,19 @@ def resident_tokens(num_tokens: int, offload_ratio: float, layers_per_stage: int
     return num_tokens * (2 + (1.0 - offload_ratio) * (l - 2)) / l
 
 
+def check_virtual_pipeline(vpp: Any, pp_size: int, layers_per_stage: int) -> None:
+    """Raise :class:`PlanError` unless ``vpp`` virtual stages per stage can split the stage:
+    an integer >= 1, above 1 only with ``pp_size`` > 1, dividing ``layers_per_stage``."""
+    if isinstance(vpp, bool) or not isinstance(vpp, numbers.Integral) or vpp < 1:
+        raise PlanError(f"virtual_pipeline_size ({vpp!r}) must be an integer >= 1")
+    if vpp > 1 and pp_size < 2:
+        raise PlanError(f"virtual_pipeline_size {vpp} needs pipeline parallelism (pp_size is {pp_size}); "
+                        "use 1 without PP")
+    if layers_per_stage % vpp:
+        raise PlanError(f"virtual_pipeline_size {vpp} does not divide the {layers_per_stage} layers of a "
+                        "pipeline stage; pick a divisor of it")
+
+
 def _validate(plan: StepPlan) -> None:
     if plan.hdp_size < 1:
         raise PlanError(f"hdp_size ({plan.hdp_size}) must be >= 1")
@@ -407,6 +426,7 @@ def _validate(plan: StepPlan) -> None:
         raise PlanError(f"pp_size ({plan.pp_size}) must be >= 1")
     if plan.align < 1 or plan.layers_per_stage < 1:
         raise PlanError(f"align ({plan.align}) and layers_per_stage ({plan.layers_per_stage}) must be >= 1")
+    check_virtual_pipeline(plan.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)
     if len(plan.ranks) != plan.hdp_size:
         raise PlanError(f"plan has {len(plan.ranks)} rank entries for hdp_size {plan.hdp_size}")
     lengths: dict[int, int] = {}

@@ -26,10 +26,11 @@ modelled planning time :attr:`.StepOverheads.plan_s` (0 by default), hidden by l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..planner.cost_model import CostModel
+from ..planner.plan import check_virtual_pipeline
 from ..planner.schedulers import make_plan
 from ..planner.topology import Topology
 from .overheads import StepOverheads
@@ -97,6 +98,9 @@ class ClusterSetup:
     overheads: StepOverheads = field(default_factory=StepOverheads)
     topology: Topology | None = None
     """Where the HDP ranks sit (None: ``cost_model.ranks_per_node`` consecutive ranks per node)."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline stage: interleaved 1F1B when above 1 (every variant's plan is
+    timed with it; the rings are the scheduler's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
@@ -128,6 +132,9 @@ def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_len
         delta=setup.delta, num_buckets=setup.num_buckets, estimate=False, pieces=False,
         topology=setup.topology,
     )
+    if setup.virtual_pipeline_size != 1:
+        check_virtual_pipeline(setup.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)
+        plan = replace(plan, virtual_pipeline_size=setup.virtual_pipeline_size)
     return plan, time.perf_counter() - start
 
 

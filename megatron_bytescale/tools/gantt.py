@@ -18,7 +18,8 @@ from ..planner.plan import StepPlan
 
 
 def rank_intervals(plan: StepPlan, cost_model: CostModel) -> list[list[tuple[float, float, int]]]:
-    """Per rank: ``(start, end, ring size)`` of every micro-batch (stage 0's F and B with PP)."""
+    """Per rank: ``(start, end, ring size)`` of every micro-batch (stage 0's F and B with PP,
+    one bar per model chunk with virtual pipeline stages)."""
     _, sim = simulate_plan(plan, cost_model, record=True)
     times = sim.node_times
     out: list[list[tuple[float, float, int]]] = []
@@ -30,8 +31,11 @@ def rank_intervals(plan: StepPlan, cost_model: CostModel) -> list[list[tuple[flo
                 bars.append((start, end, mb.ring_size))
             else:
                 for phase in ("F", "B"):
-                    start, end = times[(mb.order, phase, 0)]
-                    bars.append((start, end, mb.ring_size))
+                    if plan.virtual_pipeline_size == 1:
+                        bars.append((*times[(mb.order, phase, 0)], mb.ring_size))
+                        continue
+                    for chunk in range(plan.virtual_pipeline_size):
+                        bars.append((*times[(mb.order, phase, chunk, 0)], mb.ring_size))
         out.append(bars)
     return out
 

@@ -188,10 +188,14 @@ def _megatron_hybrid_cp_row(args: argparse.Namespace, lengths: Any, cost_model: 
 
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
+    from ..planner.estimate import with_virtual_pipeline
+    from ..planner.plan import check_virtual_pipeline
     from ..planner.schedulers import make_plan
 
     lengths, source = load_lengths(args)
     cost_model, pp_size = load_cost_model(args)
+    if args.vpp_size != 1:
+        check_virtual_pipeline(args.vpp_size, pp_size, max(1, cost_model.num_layers // pp_size))
     topology = load_topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
@@ -208,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
                 align=args.align, context_length=context, delta=args.delta, num_buckets=args.num_buckets,
                 topology=topology,
             )
+            if args.vpp_size != 1:
+                plan = with_virtual_pipeline(plan, args.vpp_size, cost_model, topology)
         except ValueError as exc:
             if not args.compare or name == args.scheduler:
                 raise
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         _megatron_hybrid_cp_row(args, lengths, cost_model, pp_size, topology, plans, rows, failed)
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
-          f"PP {pp_size}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
           f"{', two-level rings' if args.two_level_ring else ''}")
     _print_table(rows, failed)
     note = moe_note(args)

@@ -81,6 +81,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--hdp-size", type=positive_int, default=1024, help="HDP ranks (DP x CP of Megatron; default 1024)")
     cluster.add_argument("--capacity", type=positive_int, default=8192, help="tokens per rank per micro-batch, C (default 8192)")
     cluster.add_argument("--pp-size", type=positive_int, default=None, help="pipeline stages (default: the model preset's)")
+    cluster.add_argument("--vpp-size", "--virtual-pipeline-model-parallel-size", dest="vpp_size", type=positive_int,
+                         default=1, help="model chunks per pipeline stage: estimate interleaved 1F1B, whose fill and "
+                                         "drain shrink by this factor (default 1: plain 1F1B; needs --pp-size > 1)")
     cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
                          help="TP degree (default: the model preset's)")
     cluster.add_argument("--model", default=None,

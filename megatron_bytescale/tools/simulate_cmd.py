@@ -201,10 +201,15 @@ def run(args: argparse.Namespace) -> int:
     topology = load_topology(args, cost_model)
     tp = _tensor_parallel_size(args)
     overheads, overhead_line = _overheads(args, tp=tp, pp=pp)
+    if args.vpp_size != 1:
+        from ..planner.plan import check_virtual_pipeline
+
+        check_virtual_pipeline(args.vpp_size, pp, max(1, cost_model.num_layers // pp))
     setup = ClusterSetup(
         hdp_size=args.hdp_size, capacity=args.capacity, cost_model=cost_model, pp_size=pp,
         tensor_parallel_size=tp, align=args.align, overlong=args.overlong, delta=args.delta,
         num_buckets=args.num_buckets, overheads=overheads, topology=topology,
+        virtual_pipeline_size=args.vpp_size,
     )  # fmt: skip
     if args.lengths is not None:
         if args.steps > 1:
@@ -228,8 +233,9 @@ def run(args: argparse.Namespace) -> int:
     summaries = summarize(points)
     if not any(s.ok for s in summaries):
         raise ValueError(f"no variant could plan the batch: {summaries[0].error}")
+    vpp = f" x VPP {args.vpp_size}" if args.vpp_size != 1 else ""
     print(f"bytescale simulate: {source}; {setup.num_gpus:,} GPUs = {args.hdp_size:,} HDP ranks x TP {tp} "
-          f"x PP {pp}, capacity {args.capacity:,}, {topology.ranks_per_node} HDP ranks per node, "
+          f"x PP {pp}{vpp}, capacity {args.capacity:,}, {topology.ranks_per_node} HDP ranks per node, "
           f"cost model {cost_model.name}{', two-level rings' if cost_model.two_level_ring else ''}; {overhead_line}")
     print(summary_table(summaries))
     print(f"({NOTE})")
@@ -270,6 +276,7 @@ def _write_json(args: argparse.Namespace, setup: Any, summaries: Sequence[Any], 
         "version": 1,
         "source": source,
         "hdp_size": setup.hdp_size, "capacity": setup.capacity, "pp_size": setup.pp_size,
+        "virtual_pipeline_size": setup.virtual_pipeline_size,
         "tensor_parallel_size": setup.tensor_parallel_size, "num_gpus": setup.num_gpus,
         "cost_model": setup.cost_model.to_dict(), "overheads": overheads,
         "results": [s.to_dict(per_rank=True) for s in summaries],
