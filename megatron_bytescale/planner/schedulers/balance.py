@@ -63,7 +63,7 @@ from ..sharding import ShardingContext, Unit
 from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit_sort_key, unit_work_key
 from .dp_balance import dp_balance, makespan
 from .naive import fill_steps, fill_steps_aligned
-from .pp_balance import pipeline_floor, pp_balance
+from .pp_balance import pipeline_floor, pp_balance, short_first
 from .selective import unit_options
 from .widen import widen_for_balance
 
@@ -163,7 +163,18 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
                                   deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
         pool.append(("fill", fill, 0, base))
+        # the same orders with a short micro-batch first in every pipeline: the balance
+        # candidates only run that way, the fill (Alg. 1's plan) both ways
+        reordered = []
         for name, placements, grown, units_of in pool:
+            moved = short_first(placements, units_of)
+            if moved is None:
+                reordered.append((name, placements, grown, units_of))
+                continue
+            reordered.append((name + "+short-first", moved, grown, units_of))
+            if name == "fill":
+                reordered.append((name, placements, grown, units_of))
+        for name, placements, grown, units_of in reordered:
             floor = pipeline_floor(placements, units_of, ctx, request.pp_size)
             candidates.append((floor, len(candidates), choice, ctx, name, placements, grown))
     best: tuple[float, int, StepPlan] | None = None

@@ -3,22 +3,29 @@
 Eq. 3 gives the *fewest* ranks a long sequence may use, by offloading part of its activations.
 Fewer ranks cost fewer rank-seconds of ring communication, but each member runs longer (a larger
 share) and, with PP, every pipeline of the ring pays that longer micro-batch in its 1F1B fill and
-drain. So offload is a per-sequence choice, not a mode: :func:`unit_options` hands ``balance``
-up to three sets of units that differ only in their long sequences, and ``balance`` plans each
-and keeps the fastest by the cost model (widening may still give any of them more ranks):
+drain; on the H100 preset Alg. 1 with Eq. 3's rings is 2-7x slower than without offload at the
+Fig. 17 PP cells. So offload is a choice, made by the cost model. :func:`unit_options` hands
+``balance`` up to two sets of units that differ only in their long sequences:
 
-* ``eq3``: every long sequence on Eq. 3's minimal offloaded ring (what ``naive`` + offload runs);
-* ``no-offload``: every long sequence on its offload-free ring D0 (the offload-off plan), except
-  the ones that need offload to fit the HDP ranks at all, which keep Eq. 3's ring;
-* ``selective``: per sequence, Eq. 3's ring only if it costs fewer rank-seconds than D0 *and*
-  its member time stays under the step's per-micro-batch target (the lower bound over the
-  pipelines' stage count, as in widening), so it lowers the work bound without raising the
-  critical path; D0 otherwise.
+* ``no-offload``: every long sequence on its offload-free ring D0, except the ones that need
+  offload to fit the HDP ranks at all, which keep Eq. 3's ring;
+* ``eq3``: every long sequence on Eq. 3's minimal offloaded ring (what ``naive`` + offload runs).
+
+``balance`` then chooses per sequence in each set: widening (:mod:`.widen`) moves any long
+sequence slower than the step's target to a wider ring, anywhere from its set's size up to all
+HDP ranks, with the smallest offload ratio that ring needs (none from D0 on). Every set is
+planned and the fastest plan by the estimate is kept, the offload-free one on a tie. Because
+``no-offload`` is exactly the offload-off input, balance with offload allowed is never slower,
+by the estimate, than balance with it disallowed, and never slower than ``naive`` with or
+without Eq. 3's rings (both fills are candidates).
+
+A third set was tried and left out: per sequence, Eq. 3's ring where it costs fewer
+rank-seconds than D0 and stays under the step's per-micro-batch target. It was never the
+fastest on the Fig. 17 cells (0-61 % slower than the better of the two sets, DP and PP, both
+hardware presets): it mixes ring sizes that align badly and leaves large single units to the greedy.
 
 With a host budget Eq. 3's rings already respect it (:func:`..offload.solve_offload` moves to a
 larger ring when a ratio would not fit), and offload-free rings need none, so every set fits.
-Because ``no-offload`` is exactly the offload-off input, balance with offload allowed is never
-slower, by the estimate, than balance with it disallowed.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from ._common import PlanRequest
 
 
 def unit_options(request: PlanRequest) -> list[tuple[str, ShardingContext, list[Unit]]]:
-    """``(name, context, units)`` per distinct unit set, the likeliest winner first.
+    """``(name, context, units)`` per distinct unit set, the offload-free one first.
 
     Without offload (or when Eq. 3 offloads nothing) there is one set; the offload-free set is
     planned with the offload-off context, so it is the very input ``balance`` gets with offload
@@ -44,17 +51,11 @@ def unit_options(request: PlanRequest) -> list[tuple[str, ShardingContext, list[
     forced = [u.ring_size > n for u in free_all]  # only offload fits these on the HDP ranks
     free = [eq3_of[u.seqs] if f else u for u, f in zip(free_all, forced)]
     free_ctx = ctx if any(forced) else ctx_off
-    target = sum(u.work for u in free) / n / request.pp_size
-    selective = []
-    for u in free:
-        e = eq3_of[u.seqs]
-        pick = e.offload_ratio > 0 and e is not u and e.work < u.work and e.time <= target
-        selective.append(e if pick else u)
     # identical sets are planned once, under the offload-free context when that is one of them
     options, seen = {}, set()
-    for name, c, units in (("no-offload", free_ctx, free), ("eq3", ctx, eq3), ("selective", ctx, selective)):
+    for name, c, units in (("no-offload", free_ctx, free), ("eq3", ctx, eq3)):
         key = tuple((u.seqs, u.ring_size, u.offload_ratio) for u in units)
         if key not in seen:
             seen.add(key)
             options[name] = (name, c, units)
-    return [options[k] for k in ("selective", "no-offload", "eq3") if k in options]
+    return list(options.values())
