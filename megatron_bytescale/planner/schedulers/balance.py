@@ -1,7 +1,10 @@
 """``balance``: the paper's Alg. 2 ("Balance Strategy for HDP"), DP-Balance and PP-Balance.
 
-Sharding and offload come from §5 as in ``naive`` (packs of short sequences on one rank, each long
-sequence on D(s) ranks from Eq. 3). Then:
+Sharding comes from §5 as in ``naive`` (packs of short sequences on one rank, each long sequence
+on its own ring). Offload is selective (:mod:`.selective`): with offload on, every step below runs
+on two unit sets, long sequences on Eq. 3's offloaded rings and on their offload-free rings (the
+ones that only fit with offload keep Eq. 3's), and the faster plan by the estimate is kept
+(``meta["offload_choice"]``; the offload-free one on a tie). Then, per set:
 
 1. **Widening** (our addition; the paper is silent). Eq. 3's D(s) is the *fewest* ranks a
    sequence may use. A 2M-token sequence on D(s) ranks can take longer than the whole step's
@@ -28,7 +31,7 @@ sequence on D(s) ranks from Eq. 3). Then:
 4. **PP-Balance (pp_size > 1).** Ring micro-batches must sit at the same local index on all
    members (D5, checked by the validator). Rings are placed first, widest first, on the D
    least-loaded ranks of one *count group* (ranks that have run the same number of micro-batches),
-   on its fewest nodes (:func:`_place_rings_aligned`);
+   on its fewest nodes (:mod:`.pp_balance`);
    the widest remaining ring always fits the group the previous ring created. Single-rank units
    then follow Alg. 2's "sequentially from all buckets": each target pipeline (below
    ``max - delta * max``) takes a *run* of consecutive units from the sorted stream, staying inside
@@ -38,8 +41,11 @@ sequence on D(s) ranks from Eq. 3). Then:
    A second candidate counts a pipeline's load as its stage work plus (PP - 1) x its longest
    micro-batch (the 1F1B fill and drain of that micro-batch, which the pipeline cannot fill
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
+   Every pipeline then runs its shortest micro-batch after its last ring first
+   (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay aligned.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
-   loads with PP), the same on Eq. 3's (unwidened) units, and Alg. 1's fill of Eq. 3's units; ``meta["assignment"]``
+   loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP also
+   with a short micro-batch first), over both unit sets; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
