@@ -105,22 +105,39 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     request = apply_hdp_overlong(request)
     n = request.hdp_size
     meta = {"delta": request.delta, "num_buckets": request.num_buckets}
-    options = [(choice, ctx, base, *widen_for_balance(list(base), ctx, n, pp_size=request.pp_size))
-               for choice, ctx, base in unit_options(request)]
+    options = []
+    for index, (choice, ctx, base) in enumerate(unit_options(request)):
+        units, widened = widen_for_balance(list(base), ctx, n, pp_size=request.pp_size)
+        units.sort(key=unit_sort_key)
+        options.append((_units_floor(units, request), index, choice, ctx, base, units, widened))
+    # the set with the lowest floor first; a later one whose floor is already slower than the
+    # best plan cannot win (ties go to the earlier set of unit_options: no offload)
+    options.sort(key=lambda o: (o[0], o[1]))
     if request.pp_size > 1:
         return _best_pp_plan(request, options, meta)
     best = None
-    for choice, ctx, base, units, widened in options:
-        # no assignment of these units beats their largest time or their work over the ranks
-        if best is not None and max(max((u.time for u in units), default=0.0),
-                                    sum(u.work for u in units) / n) >= best[0]:
+    for floor, index, choice, ctx, base, units, widened in options:
+        if best is not None and floor > best[0] * (1 + 1e-9):
             continue
-        units.sort(key=unit_sort_key)
         placements, assignment, grown, step = _best_dp_assignment(units, base, widened, ctx, n)
-        if best is None or step < best[0]:
-            best = (step, placements, dict(assignment=assignment, widened_units=grown, offload_choice=choice))
-    meta.update(mode="DP-Balance", **best[2])
-    return emit_plan(request, best[1], scheduler=NAME, meta=meta)
+        if best is None or (step, index) < best[:2]:
+            best = (step, index, placements, dict(assignment=assignment, widened_units=grown, offload_choice=choice))
+    meta.update(mode="DP-Balance", **best[3])
+    return emit_plan(request, best[2], scheduler=NAME, meta=meta)
+
+
+def _units_floor(units: Sequence[Unit], request: PlanRequest) -> float:
+    """A lower bound on any plan of ``units``: their stage work over the pipelines, and the
+    longest one crossing every stage forward and back (``pp_size`` times its stage time).
+
+    It rests on a unit's own time (costed intra-node when its ring fits a node) never exceeding
+    its time once placed, which holds for flat rings on the regular node map when the network is
+    no faster than the links inside a node; otherwise 0 (nothing is skipped)."""
+    cm = request.cost_model
+    if cm.two_level_ring or request.topology is not None or cm.p2p_bandwidth_inter > cm.p2p_bandwidth_intra:
+        return 0.0
+    work = sum(u.work for u in units) / request.hdp_size
+    return max(work, request.pp_size * max((u.time for u in units), default=0.0))
 
 
 def _best_dp_assignment(
@@ -154,14 +171,18 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     Alg. 1's aligned fill of them (the safety net of :func:`_best_dp_assignment`; with PP,
     widening trades fewer bubbles for more communication and the estimate decides).
 
-    Candidates are estimated in order of their 1F1B floor (:func:`.pp_balance.pipeline_floor`),
-    and one whose floor is already slower than the best step is skipped; ties go to the earlier
-    candidate in the list, so skipping never changes the winner."""
+    Unit sets go in the order of :func:`_plan_balance`, a set's candidates in the order of their
+    1F1B floor (:func:`.pp_balance.pipeline_floor`); a set or a candidate whose floor is
+    already slower than the best step is skipped. Ties go to the earlier candidate (the earlier
+    set of :func:`.selective.unit_options`, then the list order), so skipping never changes
+    the winner."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
-    candidates = []
-    for choice, ctx, base, units, widened in options:
-        units.sort(key=unit_sort_key)
+    best: tuple[float, tuple[int, int], StepPlan] | None = None
+    count = 0
+    for units_floor, set_index, choice, ctx, base, units, widened in options:
+        if best is not None and units_floor > best[0] * (1 + 1e-9):
+            continue
         pool = [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
                 ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
         if widened:
@@ -171,29 +192,27 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         pool.append(("fill", fill, 0, base))
         # the same orders with a short micro-batch first in every pipeline: the balance
         # candidates only run that way, the fill (Alg. 1's plan) both ways
-        reordered = []
+        candidates = []
         for name, placements, grown, units_of in pool:
             moved = short_first(placements, units_of)
-            if moved is None:
-                reordered.append((name, placements, grown, units_of))
+            if moved is not None:
+                candidates.append((name + "+short-first", moved, grown, units_of))
+            if moved is None or name == "fill":
+                candidates.append((name, placements, grown, units_of))
+        ranked = []
+        for name, placements, grown, units_of in candidates:
+            ranked.append((pipeline_floor(placements, units_of, ctx, request.pp_size), count, name, placements, grown))
+            count += 1
+        for floor, index, name, placements, grown in sorted(ranked, key=lambda c: (c[0], c[1])):
+            # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
+            # plan and full estimate (the margin covers rounding between the two time sums)
+            if best is not None and floor > best[0] * (1 + 1e-9):
                 continue
-            reordered.append((name + "+short-first", moved, grown, units_of))
-            if name == "fill":
-                reordered.append((name, placements, grown, units_of))
-        for name, placements, grown, units_of in reordered:
-            floor = pipeline_floor(placements, units_of, ctx, request.pp_size)
-            candidates.append((floor, len(candidates), choice, ctx, name, placements, grown))
-    best: tuple[float, int, StepPlan] | None = None
-    for floor, index, choice, ctx, name, placements, grown in sorted(candidates, key=lambda c: (c[0], c[1])):
-        # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
-        # plan and full estimate (the margin covers rounding between the two time sums)
-        if best is not None and floor > best[0] * (1 + 1e-9):
-            continue
-        plan = emit_plan(request, placements, scheduler=NAME,
-                         meta={**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
-                               "offload_choice": choice})
-        plan = replace(plan, estimate=estimate_plan(plan, ctx.cost_model))
-        key = (plan.estimate.step_time_s, index)
-        if best is None or key < best[:2]:
-            best = (*key, plan)
+            plan = emit_plan(request, placements, scheduler=NAME,
+                             meta={**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
+                                   "offload_choice": choice})
+            plan = replace(plan, estimate=estimate_plan(plan, ctx.cost_model))
+            key = (plan.estimate.step_time_s, (set_index, index))
+            if best is None or key < best[:2]:
+                best = (*key, plan)
     return best[2]
