@@ -17,7 +17,7 @@ hardware presets (``h100`` datasheet, ``paper-fit``): the planner's estimated st
 plus what ``balance`` chose (``offload_choice``, ``assignment``) and its planning CPU time.
 Writes section ``pipeline-fig17`` of docs/benchmarks.md.
 
-    .venv/bin/python scripts/bench_pp_cells.py [--before FILE] [--json FILE] [--no-write]
+    .venv/bin/python scripts/bench_pp_cells.py [--before FILE] [--json FILE | --from-json FILE] [--no-write]
 """
 
 from __future__ import annotations
@@ -111,10 +111,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, help="JSON written by --json on the older code")
     ap.add_argument("--json", type=Path, help="write the raw results here")
+    ap.add_argument("--from-json", type=Path, help="write the section from results saved by --json")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = ap.parse_args()
-    results = {}
-    for hw in HARDWARE:
+    results = json.loads(args.from_json.read_text(encoding="utf-8")) if args.from_json else {}
+    for hw in HARDWARE if not args.from_json else ():
         for model, dataset, context in cells():
             results[key(hw, model, dataset, context)] = measure(hw, model, dataset, context)
             print(key(hw, model, dataset, context), results[key(hw, model, dataset, context)], flush=True)
