@@ -41,11 +41,12 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    A second candidate counts a pipeline's load as its stage work plus (PP - 1) x its longest
    micro-batch (the 1F1B fill and drain of that micro-batch, which the pipeline cannot fill
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
-   Every pipeline then runs its shortest micro-batch after its last ring first
-   (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay aligned.
+   Each candidate is also tried with every pipeline running its shortest micro-batch after its
+   last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
+   aligned.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
-   loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP also
-   with a short micro-batch first), over both unit sets; ``meta["assignment"]``
+   loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
+   also short-first), over both unit sets; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
@@ -190,15 +191,14 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
                                   deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
         pool.append(("fill", fill, 0, base))
-        # the same orders with a short micro-batch first in every pipeline: the balance
-        # candidates only run that way, the fill (Alg. 1's plan) both ways
+        # each also with a short micro-batch first in every pipeline (listed first: it usually
+        # wins, and the original's higher floor then often skips it)
         candidates = []
         for name, placements, grown, units_of in pool:
             moved = short_first(placements, units_of)
             if moved is not None:
                 candidates.append((name + "+short-first", moved, grown, units_of))
-            if moved is None or name == "fill":
-                candidates.append((name, placements, grown, units_of))
+            candidates.append((name, placements, grown, units_of))
         ranked = []
         for name, placements, grown, units_of in candidates:
             ranked.append((pipeline_floor(placements, units_of, ctx, request.pp_size), count, name, placements, grown))

@@ -47,7 +47,10 @@ def unit_options(request: PlanRequest) -> list[tuple[str, ShardingContext, list[
     n = request.hdp_size
     ctx_off = request.sharding_context(offload=False)
     eq3_of = {u.seqs: u for u in eq3}
-    free_all = shard_batch(request.ids, request.lengths, ctx_off)
+    # the packs of short sequences are the same in both sets: shard only the long ones again
+    long_ = [(i, s) for i, s in zip(request.ids, request.lengths) if s >= request.capacity]
+    packs = [u for u in eq3 if max(u.lengths) < request.capacity]
+    free_all = shard_batch([i for i, _ in long_], [s for _, s in long_], ctx_off) + packs
     forced = [u.ring_size > n for u in free_all]  # only offload fits these on the HDP ranks
     free = [eq3_of[u.seqs] if f else u for u, f in zip(free_all, forced)]
     free_ctx = ctx if any(forced) else ctx_off
