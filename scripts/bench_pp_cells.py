@@ -66,7 +66,7 @@ def key(hardware: str, model: str, dataset: str, context: int) -> str:
     return f"{hardware}/{model}/{dataset}/{context}"
 
 
-def section(results: dict, before: dict) -> str:
+def section(results: dict, before: dict, before_label: str = "the older code") -> str:
     parts = [
         "## Pipeline: PP-Balance vs naive HDP on the Fig. 17 PP cells (`scripts/bench_pp_cells.py`)",
         "",
@@ -75,8 +75,8 @@ def section(results: dict, before: dict) -> str:
         "",
         "32M-token batches (seed 0), C = 8K, the paper's GPU counts and the preset's TP x PP "
         "(LLaMA-70B TP 8 x PP 4 on 256 pipelines, Mistral-8x7B 512 x PP 4, Mistral-8x22B 192 x PP 8). "
-        "Estimated step in seconds; 'before' is `balance` (offload on) before selective offload "
-        "and the short-first order, 'after' now; 'bound' is max(stage work / pipelines, critical "
+        f"Estimated step in seconds; 'before' is `balance` (offload on) before selective offload "
+        f"and the short-first order ({before_label}), 'after' now; 'bound' is max(stage work / pipelines, critical "
         "path) of the 'after' plan. **bold**: balance slower than naive or naive + Eq. 3.",
     ]
     for hw in HARDWARE:
@@ -166,6 +166,7 @@ def main() -> int:
     ap.add_argument("--before", type=Path, help="JSON written by --json on the older code")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     ap.add_argument("--from-json", type=Path, help="write the section from results saved by --json")
+    ap.add_argument("--before-label", default="the older code", help="what --before was measured on (a commit)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = ap.parse_args()
     results = json.loads(args.from_json.read_text(encoding="utf-8")) if args.from_json else {}
@@ -176,7 +177,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
     before = json.loads(args.before.read_text(encoding="utf-8")) if args.before else {}
-    body = section(results, before)
+    body = section(results, before, args.before_label)
     if args.no_write:
         print(body)
     else:
