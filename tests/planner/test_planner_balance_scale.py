@@ -117,8 +117,9 @@ def test_balance_is_within_ten_percent_of_the_lower_bounds(dataset, ranks, offlo
     # the LPT assignment is what ran: a fallback (naive's fill) cannot hide a regression of it
     assert plan.meta["assignment"] == "lpt", plan.meta
     assert plan.meta["offload"] is offload
-    if offload:
-        assert plan.meta["offloaded_micro_batches"] > 0
+    # with offload allowed, balance keeps Eq. 3's offloaded rings only where they are faster
+    # (selective offload; on the GitHub batch at 1,024 ranks the offload-free plan wins)
+    assert (plan.meta["offloaded_micro_batches"] > 0) == (plan.meta["offload_choice"] == "eq3")
     step, work_bound = retimed_step(plan)
     assert plan.estimate.step_time_s == pytest.approx(step, rel=1e-9)
     bound = max(work_bound, critical_path(plan))
