@@ -3,7 +3,7 @@
 Eq. 3 gives the *fewest* ranks a long sequence may use, by offloading part of its activations.
 Fewer ranks cost fewer rank-seconds of ring communication, but each member runs longer (a larger
 share) and, with PP, every pipeline of the ring pays that longer micro-batch in its 1F1B fill and
-drain; on the H100 preset Alg. 1 with Eq. 3's rings is 2-7x slower than without offload at the
+drain; on the H100 preset Alg. 1 with Eq. 3's rings is 2.2-7.4x slower than without offload at the
 Fig. 17 PP cells. So offload is a choice, made by the cost model. :func:`unit_options` hands
 ``balance`` up to two sets of units that differ only in their long sequences:
 
