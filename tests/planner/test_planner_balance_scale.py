@@ -22,6 +22,8 @@ long ring idles (pp - 1) x that micro-batch's stage time while it crosses the ot
 (a stage runs only its few in-flight neighbours meanwhile). Counting that fill and drain per
 pipeline (stage work + (pp - 1) x longest micro-batch, averaged over the pipelines) puts
 PP-Balance within 1.00-1.24x of it in these cases (docs/benchmarks.md, section "pipeline").
+Selective offload (the offload-free plan as a candidate) and a short micro-batch first in every
+pipeline brought the misses from 1.30-1.73x to 1.16-1.57x; none reaches 1.1x.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def test_balance_is_within_ten_percent_of_the_lower_bounds(dataset, ranks, offlo
     # the LPT assignment is what ran: a fallback (naive's fill) cannot hide a regression of it
     assert plan.meta["assignment"] == "lpt", plan.meta
     assert plan.meta["offload"] is offload
-    if offload:
-        assert plan.meta["offloaded_micro_batches"] > 0
+    # with offload allowed, balance keeps Eq. 3's offloaded rings only where they are faster
+    # (selective offload; on the GitHub batch at 1,024 ranks the offload-free plan wins)
+    assert (plan.meta["offloaded_micro_batches"] > 0) == (plan.meta["offload_choice"] == "eq3")
     step, work_bound = retimed_step(plan)
     assert plan.estimate.step_time_s == pytest.approx(step, rel=1e-9)
     bound = max(work_bound, critical_path(plan))
@@ -129,11 +132,11 @@ PP_CASES = [
     # (dataset, ranks, pp, measured step / max(work bound, critical path) when it misses)
     ("github", 1024, 2, None),
     ("github", 1024, 4, None),
-    ("byted", 1024, 2, 1.30),
+    ("byted", 1024, 2, 1.16),
     ("byted", 1024, 4, None),
-    ("byted", 256, 2, 1.73),
-    ("github", 256, 4, 1.35),
-    ("github", 64, 2, 1.67),
+    ("byted", 256, 2, 1.35),
+    ("github", 256, 4, 1.36),
+    ("github", 64, 2, 1.49),
     ("byted", 64, 4, 1.57),
 ]
 

@@ -85,8 +85,11 @@ def test_two_level_planning_whole_nodes_and_never_slower(dataset):
 
 
 @pytest.mark.parametrize("dataset, hdp_size, context, winner", [
-    ("github", 64, 262144, "two-level"),  # its long sequences are network-bound on flat rings
-    ("github", 32, 262144, "flat"),  # whole-node widening loses more balance than it saves
+    # its long sequences are network-bound on flat rings (two-level 0.3 % faster)
+    ("github", 32, 262144, "two-level"),
+    # the flat sizing of the offload-free plan wins; two-level won here only on Eq. 3's offloaded
+    # rings, which balance now turns down (the offload-free plan is faster)
+    ("github", 64, 262144, "flat"),
     ("byted", 8, 65536, "tie"),  # no ring spans two nodes: both sizings give the same plan
 ])
 def test_two_level_planning_keeps_the_faster_sizing(dataset, hdp_size, context, winner):

@@ -1,0 +1,179 @@
+"""PP-Balance's assignment (step 4 of :mod:`.balance`): rings aligned by count groups, runs of
+single-rank units, and the 1F1B floor that lets ``balance`` skip hopeless candidates."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+
+from ..sharding import ShardingContext, Unit
+from ._common import Placement, split_equal_work
+from .placement import RingPlacer
+
+def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
+               num_buckets: int, fill_drain: int = 0) -> list[Placement]:
+    """Rings aligned by count groups (widest first), then runs of single-rank units.
+
+    A pipeline's load is its stage work plus ``fill_drain`` times its longest micro-batch: with
+    ``fill_drain = pp_size - 1`` that is the 1F1B fill and drain (while a long micro-batch
+    crosses the other stages forward and back, a stage only runs its few in-flight neighbours),
+    so pipelines in a long ring take less other work; 0 balances stage work alone.
+    """
+    placer = RingPlacer(ctx.nodes, n)
+    load = _PipelineLoad(placer.loads, fill_drain)
+    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load)
+    load.loads = placer.loads.tolist()  # the placer is done; lists index faster
+    singles = [u for u in units if u.ring_size == 1]
+    placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
+    return placements
+
+
+class _PipelineLoad:
+    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch."""
+
+    def __init__(self, loads: np.ndarray, fill_drain: int) -> None:
+        self.loads: np.ndarray | list[float] = loads  # updated in place
+        self.fill_drain = fill_drain
+        self.longest = [0.0] * len(loads)
+
+    def added(self, r: int, t: float) -> float:
+        """How much a micro-batch of stage time ``t`` adds to pipeline ``r``'s load."""
+        return t + self.fill_drain * max(0.0, t - self.longest[r])
+
+    def add(self, r: int, t: float) -> None:
+        self.loads[r] += self.added(r, t)
+        self.longest[r] = max(self.longest[r], t)
+
+
+def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
+                   pp_size: int) -> float:
+    """A lower bound on the 1F1B step of ``placements`` (each rank a pipeline running its
+    micro-batches in list order): the slowest pipeline's stage work plus the first micro-batch's
+    forward down the other ``pp_size - 1`` stages before the last stage can start, and the last
+    one's backward back up them after it ends. Rings only add waiting to that."""
+    by_seqs = {u.seqs: u for u in units}
+    ff = ctx.cost_model.forward_fraction
+    work = [0.0] * ctx.hdp_size
+    first: list[float | None] = [None] * ctx.hdp_size
+    last = [0.0] * ctx.hdp_size
+    for p in placements:
+        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
+        for r in p.ring:
+            work[r] += t
+            if first[r] is None:
+                first[r] = t
+            last[r] = t
+    hops = pp_size - 1
+    return max((w + hops * (ff * f + (1.0 - ff) * b) for w, f, b in zip(work, first, last) if f is not None),
+               default=0.0)
+
+
+def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
+                         pipeline_load: _PipelineLoad) -> list[Placement]:
+    """Each ring (widest first) on ranks of one count group, on the fewest nodes: the group
+    whose fewest-nodes choice (:meth:`.placement.RingPlacer.fewest_nodes`) starts first among
+    those that hold the ring on ``ceil(D / ranks_per_node)`` nodes (fewer micro-batches on a
+    tie). Such a group always exists on a regular topology: the ranks of the previous (wider)
+    ring form one. Only if none does (a node map with small nodes) does the ring take the fewest
+    nodes any group allows."""
+    load = placer.loads
+    n = len(load)
+    topo = placer.topology
+    groups: dict[int, int] = {0: n}  # count -> ranks that have run that many micro-batches
+    count = np.zeros(n, dtype=np.int64)
+    placements: list[Placement] = []
+    for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
+        d = u.ring_size
+        best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
+        for c in sorted(groups):
+            if groups[c] < d:
+                continue
+            eligible = count == c
+            ranks = np.flatnonzero(eligible)
+            least = ranks[np.lexsort((ranks, load[ranks]))[:d]]  # the d least loaded, ties by rank
+            members = topo.node_contiguous(least.tolist())
+            start = float(load[least].max())
+            if not placer.spans_min_nodes(members):
+                start, members = placer.fewest_nodes(d, eligible, earliest=start)
+            score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
+            if best is None or score < best[0]:
+                best = (score, members)
+        if best is None:
+            raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
+        ring = best[1]
+        t = ctx.placed_time(u, ring)
+        for r in ring:
+            c = int(count[r])
+            groups[c] -= 1
+            if not groups[c]:
+                del groups[c]
+            count[r] = c + 1
+            groups[c + 1] = groups.get(c + 1, 0) + 1
+            pipeline_load.add(r, t)
+        placer.touch(ring)
+        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    return placements
+
+
+def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: float,
+                num_buckets: int) -> list[Placement]:
+    load = pipeline_load.loads
+    n = len(load)
+    buckets = split_equal_work(singles, num_buckets)
+    stream: deque[tuple[int, Unit]] = deque((b, u) for b, bucket in enumerate(buckets) for u in bucket)
+    placements: list[Placement] = []
+
+    def give(r: int) -> None:
+        _, u = stream.popleft()
+        pipeline_load.add(r, u.time)
+        placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+
+    while stream:
+        max_t = max(load)
+        threshold = max_t - delta * max_t
+        targets = [r for r in range(n) if load[r] < threshold] or list(range(n))
+        targets.sort(key=lambda r: (load[r], r))
+        for r in targets:
+            if not stream:
+                break
+            bucket = stream[0][0]
+            give(r)
+            while (stream and stream[0][0] == bucket
+                   and load[r] + pipeline_load.added(r, stream[0][1].time) <= max_t):
+                give(r)
+    return placements
+
+
+def short_first(placements: Sequence[Placement], units: Sequence[Unit]) -> list[Placement] | None:
+    """``placements`` with every pipeline's shortest single-rank micro-batch moved to its front
+    (for a pipeline in a ring: the shortest after its last ring), or None when a pipeline of a
+    ring has none there.
+
+    Under 1F1B the last stage waits for the first micro-batch's forward through the other
+    ``pp - 1`` stages, and PP-Balance starts pipelines with their rings, the longest work they
+    have. A short micro-batch first lets the later stages start sooner. Every pipeline of a ring
+    gains exactly one micro-batch before it, so rings keep the same local index on all their
+    members (D5). On the Fig. 17 PP cells (H100 preset) this shortens the step by 0.5-1.5 %."""
+    time_of = {u.seqs: u.time for u in units}
+    last_ring: dict[int, int] = {}
+    for k, p in enumerate(placements):
+        if len(p.ring) > 1:
+            for r in p.ring:
+                last_ring[r] = k
+    if not last_ring:
+        return None
+    first: dict[int, tuple[float, int]] = {}
+    for k, p in enumerate(placements):
+        # a pipeline of a ring moves a micro-batch from after its last ring: then every ring
+        # gains exactly one micro-batch before it on every member
+        if len(p.ring) == 1 and k > last_ring.get(p.ring[0], -1):
+            r, t = p.ring[0], time_of[p.seqs]
+            if r not in first or t < first[r][0]:
+                first[r] = (t, k)
+    if not last_ring.keys() <= first.keys():
+        return None
+    moved = sorted(k for _, k in first.values())
+    taken = set(moved)
+    return [placements[k] for k in moved] + [p for k, p in enumerate(placements) if k not in taken]

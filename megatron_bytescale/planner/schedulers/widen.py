@@ -1,0 +1,78 @@
+"""Widening for ``balance`` (step 1 of :mod:`.balance`): give long units slower than the step's
+lower bound more ranks than Eq. 3's minimum, with the smallest offload ratio that still fits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sharding import ShardingContext, Unit
+
+WIDEN_PASSES = 4
+
+def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_size: int = 1) -> tuple[list[Unit], int]:
+    """Give units slower than the target more ranks; returns the units and how many grew.
+
+    The target is the lower bound LB without PP. With PP a pipeline needs at least
+    ``pp_size * t`` for a micro-batch of stage time t (it crosses every stage forward and back),
+    so the target is LB / pp_size.
+    """
+    if n <= 1 or not units:
+        return units, 0
+    grown: set[int] = set()
+    for _ in range(WIDEN_PASSES):
+        work = sum(u.work for u in units)
+        target = work / n / pp_size
+        changed = False
+        for k, u in enumerate(units):
+            if u.time <= target * (1 + 1e-9) or u.ring_size >= n or max(u.lengths) < ctx.capacity:
+                continue  # packs of short sequences never communicate (paper §5.1)
+            w = _smallest_ring_under(u, target, ctx, n)
+            # only if it lowers the bound max(work / n, this unit's time): a wider ring costs more
+            # rank-seconds (gamma and communication per member), which can outweigh the gain
+            new_work = work - u.work + w.work
+            if w.ring_size != u.ring_size and max(new_work / n, w.time * pp_size) < max(work / n, u.time * pp_size) * (1 - 1e-9):
+                units[k] = w
+                work = new_work
+                grown.add(k)
+                changed = True
+        if not changed:
+            break
+    return units, len(grown)
+
+
+def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, n: int) -> Unit:
+    """The unit on the smallest ring in (ring_size, n] whose time is <= target.
+
+    A ring's time cannot fall below its communication floor: every member receives the whole
+    sequence's K/V in forward and K/V plus dK/dV in backward, ``(2 * kv + dkv) * s / bandwidth`` per layer
+    whatever D is, and each extra member adds a latency per step. So time(D) falls, flattens,
+    then rises again. We evaluate it on a geometric grid of ring sizes, find the fastest, and if
+    the target is below that (a very long sequence) aim at 2 % above the fastest instead, so the
+    ring does not burn ranks on exposed communication. Then the smallest grid size that meets the
+    aim is refined by bisection against the grid point before it.
+    """
+    grid = _ring_grid(u.ring_size, n)
+    times = ctx.time_on_rings(u.lengths, grid)
+    best = int(np.argmin(times))
+    if grid[best] == u.ring_size:
+        return u
+    aim = max(target, float(times[best]) * 1.02)
+    k = int(np.flatnonzero(times[: best + 1] <= aim)[0])
+    lo, hi = int(grid[k - 1]) if k else u.ring_size, int(grid[k])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ctx.time_on_rings(u.lengths, np.array([mid]))[0] <= aim:
+            hi = mid
+        else:
+            lo = mid
+    return ctx.resize(u, hi) if hi != u.ring_size else u
+
+
+def _ring_grid(lo: int, hi: int) -> np.ndarray:
+    """Ring sizes lo, ~1.1*lo, ... up to hi (both included)."""
+    sizes = {lo, hi}
+    x = float(lo)
+    while x < hi:
+        x = max(x * 1.1, x + 1)
+        sizes.add(min(hi, int(x)))
+    return np.array(sorted(sizes), dtype=np.int64)
