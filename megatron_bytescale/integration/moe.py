@@ -31,8 +31,8 @@ tokens an expert drops depends on the micro-batch), the sequence-level and globa
 aux-loss types and Sinkhorn routing (their groups assume Megatron's static DP x CP
 micro-batches), expert bias and input jitter (they count or perturb padding rows), expert
 parallelism > 1 (``HDPParallelLayout``), an expert tensor-parallel size other than the TP
-size, TP and PP together, and virtual pipeline stages (MoE gradients are checked against
-megatron-core at TP 2 with sequence parallelism and at PP 2, not in these layouts).
+size, and TP and PP together (MoE gradients are checked against megatron-core at TP 2 with
+sequence parallelism and at PP 2, not in these layouts).
 
 With sequence parallelism (which megatron-core requires for MoE with TP) a TP rank routes only
 its share of a micro-batch's rows; the per-expert counts of a document are then summed over
@@ -111,12 +111,6 @@ def moe_refusals(settings: Any) -> list[str]:
             f"--tensor-model-parallel-size {tp} with --pipeline-model-parallel-size {pp} "
             "cannot be combined with --num-experts under --bytescale-hdp: MoE trains under "
             "HDP with tensor or pipeline parallelism, not both at once"
-        )
-    if getattr(settings, "virtual_pipeline_model_parallel_size", None):
-        reasons.append(
-            f"--num-layers-per-virtual-pipeline-stage (virtual pipeline size "
-            f"{settings.virtual_pipeline_model_parallel_size}) cannot be combined with "
-            "--num-experts under --bytescale-hdp; leave it unset"
         )
     return reasons
 
