@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from .hdp_cases import VOCAB, cost_model
+from .hdp_cases import CONTEXT, VOCAB, cost_model, grab_grads_before_step
 from .moe_cases import MOE_LENGTHS, moe_config, moe_reference
 from .parallel_cases import (
     fresh_model,
@@ -44,7 +44,7 @@ PP_ROWS = [
 ]
 
 
-def _reference_phase(sequences) -> tuple[dict, dict]:
+def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
     """Megatron at TP = PP = 1: initial MoE weights and rank 0's reference of each case."""
     from megatron.core import parallel_state
 
@@ -52,8 +52,6 @@ def _reference_phase(sequences) -> tuple[dict, dict]:
 
     parallel_state.initialize_model_parallel()
     seed_model_parallel(1234)
-    from .hdp_cases import CONTEXT
-
     state = build_gpt_model(moe_config(**CASES["aux 0"]), vocab_size=VOCAB,
                             max_sequence_length=CONTEXT).state_dict()
     payload: list[Any] = [None]
@@ -64,14 +62,12 @@ def _reference_phase(sequences) -> tuple[dict, dict]:
             payload[0][name] = {"state": state, "loss": loss, "grads": grads}
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
-    return state, payload[0]
+    return payload[0]
 
 
 def _step(config, reference, sequences, planner, manager) -> tuple[Any, Any, dict[str, float]]:
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
     from megatron_bytescale.integration.schedule import run_hdp_step
-
-    from .hdp_cases import grab_grads_before_step
 
     ddp, optimizer = fresh_model(config, reference)
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
@@ -88,7 +84,7 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     enable_cpu_megatron()
     rng = np.random.default_rng(19)
     sequences = [rng.integers(0, VOCAB, n).tolist() for n in MOE_LENGTHS]
-    _, references = _reference_phase(sequences)
+    references = _reference_phase(sequences)
     out: dict[str, Any] = {"rank": rank,
                            "reference_loss": {k: v["loss"] for k, v in references.items()},
                            "runs": {}}
