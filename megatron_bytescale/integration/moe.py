@@ -30,8 +30,13 @@ Refused (each message names its flag): token dropping (``--moe-expert-capacity-f
 tokens an expert drops depends on the micro-batch), the sequence-level and global-batch
 aux-loss types and Sinkhorn routing (their groups assume Megatron's static DP x CP
 micro-batches), expert bias and input jitter (they count or perturb padding rows), expert
-parallelism > 1 (``HDPParallelLayout``), and tensor / pipeline parallelism with MoE (its
-gradients are checked against megatron-core with TP = PP = 1 only).
+parallelism > 1 (``HDPParallelLayout``), an expert tensor-parallel size other than the TP
+size, and TP and PP together (MoE gradients are checked against megatron-core at TP 2 with
+sequence parallelism and at PP 2, not in these layouts).
+
+With sequence parallelism (which megatron-core requires for MoE with TP) a TP rank routes only
+its share of a micro-batch's rows; the per-expert counts of a document are then summed over
+the TP ranks too, so the load-balancing loss still sees whole documents.
 """
 
 from __future__ import annotations
@@ -92,17 +97,21 @@ def moe_refusals(settings: Any) -> list[str]:
             "adds an expert's bias in place on a tensor autograd forbids changing; pass "
             "--disable-bias-linear (Mixtral has no biases)"
         )
-    for flag, attribute in (
-        ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
-        ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
-    ):
-        size = getattr(settings, attribute, 1) or 1
-        if size != 1:
-            reasons.append(
-                f"{flag} {size} cannot be combined with --num-experts under --bytescale-hdp: "
-                f"MoE trains under HDP with {flag} 1"
-            )
+    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
+    pp = getattr(settings, "pipeline_model_parallel_size", 1) or 1
+    etp = getattr(settings, "expert_tensor_parallel_size", None) or tp  # Megatron: unset = TP
+    if etp != tp:
+        reasons.append(
+            f"--expert-tensor-parallel-size {etp} cannot be combined with --num-experts under "
+            f"--bytescale-hdp: MoE trains under HDP with the experts split like the dense "
+            f"layers; leave it unset or set it to --tensor-model-parallel-size {tp}"
+        )
+    if tp > 1 and pp > 1:
+        reasons.append(
+            f"--tensor-model-parallel-size {tp} with --pipeline-model-parallel-size {pp} "
+            "cannot be combined with --num-experts under --bytescale-hdp: MoE trains under "
+            "HDP with tensor or pipeline parallelism, not both at once"
+        )
     return reasons
 
 
@@ -160,14 +169,23 @@ def _router_losses_hook(router: torch.nn.Module, args: tuple, output: Any, *,
         )
     probs, routing_map = output
     logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
+    row_offset, tp_group = 0, None
+    if getattr(router.config, "sequence_parallel", False) and manager.tp_size > 1:
+        # sequence parallelism: this TP rank routes only its contiguous share of the row
+        from megatron.core import parallel_state
+
+        row_offset = parallel_state.get_tensor_model_parallel_rank() * logits.size(0)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
     loss = router_losses(logits, bound.layout, topk=router.topk,
                          score_function=router.score_function, aux_coeff=aux_coeff,
-                         z_coeff=z_coeff, hdp=manager.hdp)
+                         z_coeff=z_coeff, hdp=manager.hdp, row_offset=row_offset,
+                         tp_group=tp_group)
     return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
 
 
 def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_function: str,
-                  aux_coeff: float, z_coeff: float, hdp: Optional[Any] = None) -> torch.Tensor:
+                  aux_coeff: float, z_coeff: float, hdp: Optional[Any] = None,
+                  row_offset: int = 0, tp_group: Optional[Any] = None) -> torch.Tensor:
     """This micro-batch's share of the HDP router losses, as a *sum* (never averaged here).
 
     ``logits`` are the router's ``[rows, experts]`` logits of the micro-batch in ``layout``'s
@@ -176,6 +194,12 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
     over the ring when it is shared) and its full length, times that length. Summed over the
     ring members this is ``length x aux(document)``, what megatron-core adds for a micro-batch
     holding the document alone. z-loss: ``z_coeff x sum of logsumexp(logits)^2`` over real rows.
+
+    With sequence parallelism a TP rank holds rows ``row_offset ..`` of the micro-batch only:
+    it adds the losses of those rows, and the per-expert counts are summed over ``tp_group``
+    (the TP ranks' shares of the row) as well as over the ring, so every rank uses the whole
+    document's counts; summed over the TP ranks (Megatron all-reduces the router's gradient
+    over them) this is the loss of the whole row.
     """
     from megatron.core.transformer.moe.moe_utils import (
         compute_routing_scores_for_aux_loss,
@@ -185,8 +209,12 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
 
     experts = logits.size(-1)
     total = logits.new_zeros((), dtype=torch.float32)
-    real = [torch.arange(s.offset, s.offset + s.num_real, device=logits.device)
-            for s in layout.slots]
+    held = logits.size(0)
+    real = []  # each slot's real rows held here, as indices into ``logits``
+    for s in layout.slots:
+        start = min(max(s.offset, row_offset), row_offset + held)
+        end = max(min(s.offset + s.num_real, row_offset + held), start)
+        real.append(torch.arange(start - row_offset, end - row_offset, device=logits.device))
     if z_coeff and layout.slots:
         rows = torch.cat(real)
         if rows.numel():
@@ -194,6 +222,8 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
     if aux_coeff and layout.slots:
         routing_map, scores = compute_routing_scores_for_aux_loss(logits, topk, score_function)
         counts = torch.stack([routing_map[r].sum(dim=0) for r in real]).to(torch.float32)
+        if tp_group is not None:
+            counts = tp_sum(counts, tp_group)
         if len(layout.ring.members) > 1:
             counts = ring_sum(counts, layout.ring, hdp)
         for index, (slot, r) in enumerate(zip(layout.slots, real)):
@@ -203,6 +233,16 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
                 probs=scores[r], tokens_per_expert=counts[index], total_num_tokens=slot.length,
                 topk=topk, num_experts=experts, moe_aux_loss_coeff=aux_coeff)
             total = total + aux * slot.length
+    return total
+
+
+def tp_sum(tensor: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """``tensor`` summed over the TP ranks of ``tp_group`` (integer-valued counts: exact, so
+    every TP rank holds identical numbers)."""
+    import torch.distributed as dist
+
+    total = tensor.clone()
+    dist.all_reduce(total, group=tp_group)
     return total
 
 

@@ -42,8 +42,9 @@ EXPERTS = 4
 TOPK = 2
 
 
-def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall"):
-    """The tiny GPT of ``hdp_cases`` with 4 experts, top-2 in every layer."""
+def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall", **overrides: Any):
+    """The tiny GPT of ``hdp_cases`` with 4 experts, top-2 in every layer (``overrides``: more
+    ``TransformerConfig`` fields, e.g. ``sequence_parallel``)."""
     from megatron_bytescale.integration.training import make_transformer_config
 
     return make_transformer_config(
@@ -51,7 +52,7 @@ def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall"):
         ffn_hidden_size=64, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=48, moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
-        moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, add_bias_linear=False,
+        moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, add_bias_linear=False, **overrides,
     )  # fmt: skip
 
 

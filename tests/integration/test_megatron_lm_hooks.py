@@ -132,8 +132,12 @@ def test_validate_sets_what_hdp_needs():
          "--moe-router-load-balancing-type global_aux_loss"),
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True),
          "--moe-router-enable-expert-bias"),
-        ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True),
-         "--tensor-model-parallel-size 2 cannot be combined with --num-experts"),
+        ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
+                  pipeline_model_parallel_size=2, num_layers=4),
+         "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2 cannot be "
+         "combined with --num-experts"),
+        ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
+                  expert_tensor_parallel_size=1), "--expert-tensor-parallel-size 1"),
         ((), dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
         ((), dict(num_experts=8, add_bias_linear=True), "--disable-bias-linear"),
         ((), dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
@@ -159,11 +163,18 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_moe_flags_pass_with_expert_parallelism_1(dispatcher):
-    """--num-experts, top-k, the dispatcher and the aux-loss flags train under HDP (EP 1)."""
+@pytest.mark.parametrize("dispatcher, layout", [
+    ("alltoall", {}), ("allgather", {}),
+    ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ("allgather", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                       expert_tensor_parallel_size=2)),
+    ("alltoall", dict(pipeline_model_parallel_size=2, num_layers=4)),
+])
+def test_moe_flags_pass_with_expert_parallelism_1(dispatcher, layout):
+    """--num-experts, top-k, the dispatcher and the aux-loss flags train under HDP (EP 1),
+    also with TP 2 (sequence parallelism, experts split like the dense layers) or PP 2."""
     args = megatron_namespace(
-        "--bytescale-hdp", mock_data=True, **tiny_model_args(),
+        "--bytescale-hdp", mock_data=True, **{**tiny_model_args(), **layout},
         num_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.01],
         moe_z_loss_coeff=1e-3, add_bias_linear=False)

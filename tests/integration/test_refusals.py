@@ -103,6 +103,11 @@ def test_sequence_longer_than_all_ranks_hold_is_refused_by_the_planner():
     (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type sinkhorn"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps 0.01"),
     (dict(add_bias_linear=True), "--disable-bias-linear"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
+     "--expert-tensor-parallel-size 1"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+          pipeline_dtype=torch.float32),
+     "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2"),
 ])
 def test_moe_settings_without_a_placement_independent_meaning_are_refused(changes, flag):
     """The model builder refuses them before building, naming the flag (docs/moe.md)."""

@@ -1,0 +1,138 @@
+"""Per-rank body of the MoE-under-TP / PP test (4 gloo processes, ONE spawn for both layouts).
+
+Reference: as in ``moe_cases`` (megatron-core's own local MoE GPT at TP = PP = 1 on every
+document alone, per-token loss, megatron-core's router losses of each document alone), computed
+once by rank 0 with Megatron initialised at TP = PP = 1. Then, in the same processes, Megatron
+is re-initialised (``parallel_cases.switch_layout``) with
+
+* TP 2 x HDP 2 with sequence parallelism (the experts split over the TP ranks, as Megatron does
+  by default): a TP rank routes only its half of every micro-batch row, so the per-expert counts
+  of a document must be summed over the TP ranks as well as over the ring;
+* PP 2 x HDP 2 (one MoE layer per stage): the router losses of a stage's layer are attached in
+  that stage's forward and reach the router in its backward, with 1F1B keeping several
+  micro-batches in flight.
+
+Each rank compares every reduced gradient (router and experts included) of its TP shard /
+pipeline stage with the matching slice of the reference. A negative control runs the TP layout
+with the TP ranks' counts left unsummed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from .hdp_cases import CONTEXT, VOCAB, cost_model, grab_grads_before_step
+from .moe_cases import MOE_LENGTHS, moe_config, moe_reference
+from .parallel_cases import (
+    fresh_model,
+    gradient_errors,
+    pipeline_plan,
+    switch_layout,
+    two_rank_config,
+)
+
+CASES = {"aux 0": dict(aux=0.0, z=None), "aux": dict(aux=0.05, z=0.01)}
+
+# PP 2 x HDP 2: pipeline 0 runs 6 micro-batches, pipeline 1 four; documents 1 and 6 (120 and
+# 90 tokens > capacity 80) are rings of both pipelines, the rest run alone
+PP_ROWS = [
+    [("local", 0), ("ring", 1), ("local", 2), ("ring", 6), ("local", 4), ("local", 5)],
+    [("local", 3), ("ring", 1), ("local", 7), ("ring", 6)],
+]
+
+
+def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
+    """Megatron at TP = PP = 1: initial MoE weights and rank 0's reference of each case."""
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.integration.training import build_gpt_model, seed_model_parallel
+
+    parallel_state.initialize_model_parallel()
+    seed_model_parallel(1234)
+    state = build_gpt_model(moe_config(**CASES["aux 0"]), vocab_size=VOCAB,
+                            max_sequence_length=CONTEXT).state_dict()
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        payload[0] = {}
+        for name, case in CASES.items():
+            loss, grads = moe_reference(moe_config(**case), state, sequences)
+            payload[0][name] = {"state": state, "loss": loss, "grads": grads}
+    dist.broadcast_object_list(payload, src=0)
+    parallel_state.destroy_model_parallel()
+    return payload[0]
+
+
+def _step(config, reference, sequences, planner, manager) -> tuple[Any, Any, dict[str, float]]:
+    from megatron_bytescale.data.hdp_iterator import HDPDataIterator
+    from megatron_bytescale.integration.schedule import run_hdp_step
+
+    ddp, optimizer = fresh_model(config, reference)
+    step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
+    grads = grab_grads_before_step(ddp, optimizer)
+    record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+    return step, record, gradient_errors(ddp.module, grads, reference)
+
+
+def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
+    from megatron_bytescale.integration import moe
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    rng = np.random.default_rng(19)
+    sequences = [rng.integers(0, VOCAB, n).tolist() for n in MOE_LENGTHS]
+    references = _reference_phase(sequences)
+    out: dict[str, Any] = {"rank": rank,
+                           "reference_loss": {k: v["loss"] for k, v in references.items()},
+                           "runs": {}}
+
+    def record_run(name, step, record, errors, manager, config) -> None:
+        out["runs"][name] = {
+            "tp": manager.rank_map.tp_rank, "pp": manager.rank_map.pp_rank,
+            "tp_size": config.tensor_model_parallel_size,
+            "pp_size": config.pipeline_model_parallel_size,
+            "sequence_parallel": config.sequence_parallel,
+            "ring_sizes": sorted(set(step.plan.ring_sizes())),
+            "micro_batch_counts": step.plan.micro_batch_counts(),
+            "loss_sum": record.loss_sum,
+            "global_loss_tokens": record.global_loss_tokens,
+            "grad_errors": errors,
+        }
+
+    # TP 2 x HDP 2, sequence parallelism (Megatron requires it for MoE with TP)
+    manager = switch_layout(tensor_model_parallel_size=2)
+    balance = make_step_planner(two_rank_config(scheduler="balance"), hdp_size=manager.size,
+                                cost_model=cost_model())
+    tp_runs = [("tp alltoall aux 0", "aux 0", "alltoall"), ("tp alltoall aux", "aux", "alltoall"),
+               ("tp allgather aux", "aux", "allgather"),
+               ("control: TP counts not summed", "aux", "alltoall")]
+    for name, case, dispatcher in tp_runs:
+        config = moe_config(**CASES[case], dispatcher=dispatcher, sequence_parallel=True)
+        saved = moe.tp_sum
+        if name.startswith("control"):
+            moe.tp_sum = lambda tensor, group: tensor
+        try:
+            step, record, errors = _step(config, references[case], sequences, balance, manager)
+        finally:
+            moe.tp_sum = saved
+        record_run(name, step, record, errors, manager, config)
+
+    # PP 2 x HDP 2: the balance scheduler's plan and a manual one with uneven counts and a ring
+    manager = switch_layout(pipeline_model_parallel_size=2)
+    pp_balance = make_step_planner(two_rank_config(scheduler="balance"), hdp_size=manager.size,
+                                   cost_model=cost_model(), pp_size=2)
+    manual = pipeline_plan(MOE_LENGTHS, PP_ROWS)
+    for name, case, planner in (("pp balance aux", "aux", pp_balance),
+                                ("pp manual aux 0", "aux 0", lambda _: manual),
+                                ("pp manual aux", "aux", lambda _: manual)):
+        config = moe_config(**CASES[case])
+        step, record, errors = _step(config, references[case], sequences, planner, manager)
+        record_run(name, step, record, errors, manager, config)
+
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    return out

@@ -1,0 +1,68 @@
+"""MoE under HDP with TP 2 (sequence parallelism) and with PP 2, on 4 CPU ranks: every gradient
+equals megatron-core's single-process MoE.
+
+Both layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bytescale.testing.distributed import run_distributed
+
+from .moe_parallel_cases import moe_parallel_rank_body
+
+TOLERANCE = 1e-5
+TP_RUNS = ["tp alltoall aux 0", "tp alltoall aux", "tp allgather aux"]
+PP_RUNS = ["pp balance aux", "pp manual aux 0", "pp manual aux"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(4, moe_parallel_rank_body, timeout_s=900)
+
+
+def test_the_layouts_and_plans_are_the_ones_meant(results):
+    for run in TP_RUNS:
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == 2 and i["pp_size"] == 1 and i["sequence_parallel"]
+                   for i in info)
+        assert info[0]["ring_sizes"] == [1, 2]
+    for run in PP_RUNS:
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == 1 and i["pp_size"] == 2 for i in info)
+        assert info[0]["ring_sizes"][-1] == 2
+    assert results[0]["runs"]["pp manual aux"]["micro_batch_counts"] == [6, 4]
+
+
+@pytest.mark.parametrize("run", TP_RUNS + PP_RUNS)
+def test_moe_gradients_equal_megatron_alone(results, run):
+    case = "aux 0" if run.endswith("aux 0") else "aux"
+    # the loss of one TP rank / the last stage's HDP group is the whole batch's loss
+    if run.startswith("tp"):
+        holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
+    else:
+        holders = [r["runs"][run] for r in results if r["runs"][run]["pp"] == 1]
+    loss = sum(i["loss_sum"] for i in holders) / holders[0]["global_loss_tokens"]
+    ref = results[0]["reference_loss"][case]
+    assert abs(loss - ref) / abs(ref) <= TOLERANCE
+    routers = experts = 0
+    for r in results:
+        errors = r["runs"][run]["grad_errors"]
+        routers += sum(".mlp.router." in n for n in errors)
+        experts += sum(".mlp.experts." in n for n in errors)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+    # every rank holds the routers and experts of its layers: 2 layers x 4 ranks (TP) or
+    # 1 layer x 4 ranks (PP); 4 experts x 2 linears each
+    layers = 8 if run.startswith("tp") else 4
+    assert routers == layers and experts == layers * 4 * 2
+
+
+def test_the_gradient_check_catches_tp_counts_left_unsummed(results):
+    """Each TP rank's own counts in the load-balancing loss move the router's gradient far
+    beyond the tolerance, so the TP equality above is not luck."""
+    worst = max(v for r in results
+                for n, v in r["runs"]["control: TP counts not summed"]["grad_errors"].items()
+                if ".mlp.router." in n)
+    assert worst > 100 * TOLERANCE
