@@ -272,6 +272,12 @@ PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_pla
 OFFLOAD_TESTS = ("tests/runtime/test_runtime_offload.py", "tests/runtime/test_runtime_offload_storage.py",
                  "tests/runtime/test_runtime_offload_classes.py",
                  "tests/integration/test_sequence_parallel_rows.py")
+_PLACEMENT = "tests/planner/test_topology_placement.py::"
+PLACEMENT_TESTS = tuple(_PLACEMENT + t for t in (
+    "test_compact_choices_by_hand", "test_compact_on_an_explicit_node_map",
+    "test_every_ring_sits_on_its_fewest_nodes", "test_fill_candidates_follow_the_nodes",
+    "test_free_ranks_by_hand", "test_fewest_nodes_when_no_compact_choice_exists",
+    "test_placement_follows_an_explicit_node_map"))
 TARGETS = [
     Target("zigzag", "planner/zigzag.py", "megatron_bytescale/planner/zigzag.py", ("*",),
            PLANNER_TESTS + ("tests/runtime/test_runtime_layout.py",)),
@@ -328,6 +334,22 @@ TARGETS = [
            ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
             "tests/integration/test_megatron_lm_hooks.py::test_chained_provider_parses_ours_after_another",
             "tests/integration/test_config.py")),
+    # the modules the verification fixes changed, each with the smallest fast in-process tests
+    # that execute it (no spawned ranks, no Megatron-LM subprocess: about a second per mutant)
+    Target("static", "planner/schedulers/static.py (first fit)",
+           "megatron_bytescale/planner/schedulers/static.py",
+           ("x_first_fit_bins", "xǁ_FreeSpaceǁ*"), ("tests/planner/test_static_first_fit.py",)),
+    Target("placement", "planner/schedulers/placement.py (topology rule)",
+           "megatron_bytescale/planner/schedulers/placement.py", ("*",), PLACEMENT_TESTS),
+    Target("balance_topology", "planner/schedulers/balance.py (dp_balance, topology rule)",
+           "megatron_bytescale/planner/schedulers/balance.py", ("x_dp_balance", "x__place_ring"),
+           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
+    Target("inputs", "planner/inputs.py (bounded reads, strict numbers)",
+           "megatron_bytescale/planner/inputs.py", ("*",),
+           ("tests/planner/test_bad_inputs.py",)),
+    Target("results_io", "tools/results_io.py (results survive a failed write)",
+           "megatron_bytescale/tools/results_io.py", ("*",),
+           ("tests/planner/test_results_survive_a_failed_write.py",)),
     Target("flags", "integration/megatron_lm.py (flags without --bytescale-hdp refused)",
            "megatron_bytescale/integration/megatron_lm.py", ("x_flags_without_hdp", "x_check_args"),
            ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
