@@ -449,6 +449,30 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__place_rings_aligned__*", r"np\.zeros\(n, dtype=bool\)  ->  .*np\.zeros\(n, (dtype=None)?\)",
      "the mask is only read by np.where and np.append(..., False), which treat a float 0/1 array "
      "as the boolean one"),
+    # planner/schedulers/static.py (first fit's segment tree)
+    ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[(\+1|-2)\] \*",
+     "-1 marks a bin not yet opened in both lists: a leaf is entered only if its free tokens and "
+     "its free slots both suffice, and the other list still holds -1 there (any negative mark "
+     "also never suffices: every document needs >= 1 token and slot)"),
+    ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[-1\] \* \((3|5) \* size\)",
+     "a longer list: the entries past the tree are never read"),
+    ("*static.xǁ_FreeSpaceǁ_grow__*", r"range\(2 \* size - 1, 0, -1\)  ->  .*range\(2 \* size - (2, 0|1, 1), -1\)",
+     "the node skipped (2 size - 1, over new leaves only, or the root) is recomputed by the set() "
+     "that follows every grow: the new bin's leaf changes from -1, so every node on its path to "
+     "the root changes and is rewritten"),
+    ("*static.xǁ_FreeSpaceǁ_update__*", r"if \w+\[left\] > \w+\[right\]  ->  .*\[left\] >= ",
+     "on a tie both children hold the same maximum"),
+    ("*static.xǁ_FreeSpaceǁ_update__*", r"if tokens\[i\] == t and slots\[i\] == s:  ->  if tokens\[i\] != t and|break  ->  return",
+     "an update stopped early leaves maxima too high (take() only lowers a leaf; set() changes "
+     "slots from -1 as well, so it never stops early), and first_fit is exact with maxima too "
+     "high: where no child fits it moves on to the right; only the work changes. `return` ends "
+     "the method as `break` does"),
+    ("*static.xǁ_FreeSpaceǁfirst_fit__*", r"i = 1  ->  i = 2",
+     "starting at the root's left child visits the same leaves: where it finds no fit the search "
+     "moves to its sibling (the right child) and ends at the root"),
+    ("*static.x_first_fit_bins__*", r"if n < context and need_slots < capacity:",
+     "a bin full when it opens given a leaf anyway is never entered (it has no token or no slot "
+     "left): the same bins, only more work"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),

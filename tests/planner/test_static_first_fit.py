@@ -89,3 +89,12 @@ def test_a_static_plan_of_100k_documents_is_bounded_work():
     assert plan.meta["num_bins"] == 100_000 and estimate.step_time_s > 0
     assert sorted(mb.seqs[0] for r in plan.ranks for mb in r.micro_batches) == list(range(100_000))
     assert spent < 120, f"{spent:.0f} s of CPU for 100k documents"
+
+
+def test_first_fit_pads_documents_to_no_alignment_unless_asked():
+    """``align`` defaults to 1 (no padding beyond the zigzag split); the bench and the scan
+    both call it so."""
+    lengths = [3, 5, 2, 7, 1, 6, 4, 4, 9, 2]
+    got = first_fit_bins(lengths, context=20, capacity=12, cp=2)
+    assert got == reference_first_fit(lengths, context=20, capacity=12, cp=2, align=1)
+    assert got != first_fit_bins(lengths, context=20, capacity=12, cp=2, align=2)
