@@ -50,3 +50,15 @@ def env_text(name: str, *, hint: str = _TORCHRUN, environ: Optional[Mapping[str,
         raise ValueError(f"the environment variable {name} is {'empty' if name in env else 'unset'}; "
                          f"{hint}")
     return raw.strip()
+
+
+def omp_num_threads(environ: Optional[Mapping[str, str]] = None) -> int:
+    """``OMP_NUM_THREADS`` for the workers a launcher starts: 1 when unset or empty (what the
+    launchers pass on), else a number of threads. libgomp only warns about a bad value, once per
+    process, and runs with its default; the launchers refuse it instead."""
+    env = os.environ if environ is None else environ
+    threads = env.get("OMP_NUM_THREADS") or "1"
+    if not (threads.isascii() and threads.isdigit() and len(threads) <= 5 and 1 <= int(threads) <= 4096):
+        raise ValueError(f"the environment variable OMP_NUM_THREADS={threads!r} must be a number of "
+                         "threads >= 1 (or unset)")
+    return int(threads)

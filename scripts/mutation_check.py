@@ -456,11 +456,11 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "also never suffices: every document needs >= 1 token and slot)"),
     ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[-1\] \* \((3|5) \* size\)",
      "a longer list: the entries past the tree are never read"),
-    ("*static.xǁ_FreeSpaceǁ_grow__*", r"range\(2 \* size - 1, 0, -1\)  ->  .*range\(2 \* size - (2, 0|1, 1), -1\)",
+    ("*static.xǁ_FreeSpaceǁ_grow__*", r"range\(2 \* size - 1, 0, -1\):  ->  .*range\(2 \* size - (2, 0|1, 1), -1\)",
      "the node skipped (2 size - 1, over new leaves only, or the root) is recomputed by the set() "
      "that follows every grow: the new bin's leaf changes from -1, so every node on its path to "
      "the root changes and is rewritten"),
-    ("*static.xǁ_FreeSpaceǁ_update__*", r"if \w+\[left\] > \w+\[right\]  ->  .*\[left\] >= ",
+    ("*static.xǁ_FreeSpaceǁ_update__*", r"if (\w+)\[left\] > \1\[right\] else .*  ->  .*\[left\] >= ",
      "on a tie both children hold the same maximum"),
     ("*static.xǁ_FreeSpaceǁ_update__*", r"if tokens\[i\] == t and slots\[i\] == s:  ->  if tokens\[i\] != t and|break  ->  return",
      "an update stopped early leaves maxima too high (take() only lowers a leaf; set() changes "

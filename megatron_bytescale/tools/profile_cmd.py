@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from megatron_bytescale.env import MAX_PORT, MAX_PROCESSES, env_int
+from megatron_bytescale.env import MAX_PORT, MAX_PROCESSES, env_int, omp_num_threads
 
 DEFAULT_OUT = "cost_model.json"
 
@@ -120,10 +120,7 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if not args.out:
         raise ValueError("--out is empty; give the cost model JSON file to write")
-    threads = os.environ.get("OMP_NUM_THREADS") or "1"
-    if not (threads.isascii() and threads.isdigit() and 1 <= int(threads) <= 4096):
-        raise ValueError(f"the environment variable OMP_NUM_THREADS={threads!r} must be a number of "
-                         "threads >= 1 (or unset)")
+    omp_num_threads()
 
 
 _WORKER_HINT = ("bytescale profile runs as a torchrun worker when WORLD_SIZE is set; unset "
@@ -205,7 +202,7 @@ def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
     if on_cuda:
         torch.cuda.set_device(env_int("LOCAL_RANK", low=0, high=MAX_PROCESSES, default=0))
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or "1"))
+        torch.set_num_threads(omp_num_threads())
     dist.init_process_group("nccl" if on_cuda else "gloo")
     saved = True
     try:

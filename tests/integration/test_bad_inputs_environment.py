@@ -6,7 +6,8 @@ Where each variable is read (and therefore which entry point a row calls):
 
 * ``bytescale profile``: ``WORLD_SIZE`` decides worker or launcher; a worker reads ``RANK``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``MASTER_PORT`` (checked in ``main`` before any
-  torch import); ``OMP_NUM_THREADS`` is in tests/integration/test_bad_inputs_launchers.py.
+  torch import); its ``OMP_NUM_THREADS`` row is in tests/integration/test_bad_inputs_launchers.py.
+* ``bytescale demo``: ``OMP_NUM_THREADS`` (its workers' threads), checked by the launcher.
 * the Megatron-LM hooks: ``LOCAL_WORLD_SIZE`` gives the node map unless
   ``--bytescale-ranks-per-node`` is given (refused in ``validate_args``, before training);
   ``RANK`` only picks who prints a refusal (Megatron parses ``args.rank`` itself).
@@ -139,6 +140,26 @@ def test_a_bad_rank_only_makes_every_process_print_the_refusal(clean_env, capsys
         assert "Traceback" not in err
 
 
+OMP_CASES = [("omp-word", "abc"), ("omp-zero", "0"), ("omp-negative", "-4"), ("omp-huge", BIG)]
+
+
+@pytest.mark.parametrize("case, value", OMP_CASES, ids=[c[0] for c in OMP_CASES])
+def test_the_demo_refuses_a_bad_omp_num_threads_before_its_workers(clean_env, capsys, tmp_path, case, value):
+    """libgomp only prints "Invalid value for environment variable OMP_NUM_THREADS" in every
+    worker and runs on; the demo launcher says which value and what to do, like profile's."""
+    from megatron_bytescale.tools import demo_cmd
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("bytescale demo got past its checks")
+
+    clean_env.setattr(demo_cmd, "run_demo_job", refuse)
+    clean_env.setenv("OMP_NUM_THREADS", value)
+    assert demo_cmd.main(["--out", str(tmp_path / "out")]) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"bytescale demo: error: the environment variable OMP_NUM_THREADS={value!r} "
+                    "must be a number of threads >= 1 (or unset)")
+
+
 @pytest.mark.parametrize("raw", ["7", " 7 ", "0007"])
 def test_env_int_reads_plain_decimals(raw):
     assert env_int("X", low=0, high=10, environ={"X": raw}) == 7
@@ -147,4 +168,4 @@ def test_env_int_reads_plain_decimals(raw):
 
 def test_table_size():
     """The counts docs/testing.md quotes for this file."""
-    assert (len(PROFILE_CASES), len(HEARTBEAT_CASES), len(HOOK_CASES)) == (15, 4, 4)
+    assert (len(PROFILE_CASES), len(HEARTBEAT_CASES), len(HOOK_CASES), len(OMP_CASES)) == (15, 4, 4, 4)
