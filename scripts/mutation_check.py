@@ -232,7 +232,8 @@ def run_planted(python: str, timeout_s: int) -> tuple[str, bool]:
             done = subprocess.run(
                 [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *bug.tests],
                 cwd=work, capture_output=True, text=True, timeout=timeout_s,
-                env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                # Megatron-LM subprocesses import the planted copy, not the installed package
+                env=dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_LM_PYTHONPATH=str(work)),
             )
             failed = sorted({line.split()[1].split("[")[0] for line in done.stdout.splitlines()
                              if line.startswith("FAILED ")})
@@ -607,12 +608,39 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _rejudge(state: dict) -> None:
+    """Survivors of earlier runs judged again by the current :data:`EQUIVALENT` table (a reason
+    added after a run applies to it; a row whose status says it was killed since keeps that)."""
+    for entry in state.values():
+        unjustified = 0
+        for row in entry.get("survivors", []):
+            status, _, old_reason = row[3].partition(": ")
+            target = next((t for t in TARGETS if row[0].startswith(t.label)), None)
+            name = f"{target.file[:-3].replace('/', '.')}.{row[1]}" if target else row[1]
+            before = row[2].strip("`").partition("  ->  ")[0].split(" / ")[0]
+            source = (ROOT / target.file).read_text(encoding="utf-8") if target else ""
+            stale = target is not None and before not in source
+            reason = ("stale: this line is no longer in the code (changed after this run); the "
+                      "function's current code is in a later row" if stale else None)
+            reason = reason or _justification(name, row[2].strip("`")) or (
+                old_reason if old_reason != "**NOT JUSTIFIED**" and "killed since" in old_reason else None)
+            row[3] = f"{status}: " + (reason or "**NOT JUSTIFIED**")
+            unjustified += reason is None
+        if "survivors" in entry and entry["row"][-3:-1] != [None, None]:
+            entry["unjustified"] = unjustified
+            entry["row"][-3] = len(entry["survivors"]) - unjustified
+            entry["row"][-2] = unjustified
+
+
 def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
                timeout_s: int) -> tuple[str, bool]:
     if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
     state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
+    _rejudge(state)
+    if not targets:
+        RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     for target in targets:
         row, surv, hung, bad, n = run_target(python, target, max_children, keep, timeout_s)
         state[target.key] = {"row": row, "survivors": surv, "timeouts": hung, "unjustified": bad,
@@ -654,7 +682,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("both", "planted", "mutmut"), default="both")
     ap.add_argument("--targets", default="all",
-                    help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all)")
+                    help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all; "
+                         "'none' runs nothing and rewrites the table from docs/mutation_check.json)")
     ap.add_argument("--max-children", type=int, default=2, help="mutmut workers (default 2)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole mutmut run")
     ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing docs/testing.md")
@@ -667,7 +696,7 @@ def main() -> int:
         ok &= caught
         print(body) if args.no_write else write_section("planted", body, TESTING_MD)
     if args.part in ("both", "mutmut"):
-        wanted = None if args.targets == "all" else set(args.targets.split(","))
+        wanted = None if args.targets == "all" else set(args.targets.split(",")) - {"none"}
         unknown = (wanted or set()) - {t.key for t in TARGETS}
         if unknown:
             raise SystemExit(f"--targets: unknown {sorted(unknown)}; choose from {[t.key for t in TARGETS]}")
