@@ -450,6 +450,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__place_rings_aligned__*", r"np\.zeros\(n, dtype=bool\)  ->  .*np\.zeros\(n, (dtype=None)?\)",
      "the mask is only read by np.where and np.append(..., False), which treat a float 0/1 array "
      "as the boolean one"),
+    # tools/results_io.py
+    ("*results_io.x_write_atomically__*",
+     r'encoding="utf-8"\) as stream:  ->  with os\.fdopen\(handle, "w", (encoding=("UTF-8"|None))? ?\)',
+     "'UTF-8' names the same codec; without an encoding Python uses the locale's, which is UTF-8 "
+     "in every locale Python starts in by default (a C/POSIX locale is coerced to UTF-8, PEP 538 "
+     "and 540), and the JSON written is ASCII (json.dumps escapes the rest)"),
     # planner/schedulers/static.py (first fit's segment tree)
     ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[(\+1|-2)\] \*",
      "-1 marks a bin not yet opened in both lists: a leaf is entered only if its free tokens and "
