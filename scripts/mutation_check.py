@@ -347,7 +347,7 @@ TARGETS = [
            PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
     Target("inputs", "planner/inputs.py (bounded reads, strict numbers)",
            "megatron_bytescale/planner/inputs.py", ("*",),
-           ("tests/planner/test_bad_inputs.py",)),
+           ("tests/planner/test_input_readers.py", "tests/planner/test_bad_inputs.py")),
     Target("results_io", "tools/results_io.py (results survive a failed write)",
            "megatron_bytescale/tools/results_io.py", ("*",),
            ("tests/planner/test_results_survive_a_failed_write.py",)),
