@@ -450,6 +450,25 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__place_rings_aligned__*", r"np\.zeros\(n, dtype=bool\)  ->  .*np\.zeros\(n, (dtype=None)?\)",
      "the mask is only read by np.where and np.append(..., False), which treat a float 0/1 array "
      "as the boolean one"),
+    # planner/inputs.py
+    ("*inputs.x__bracket_depth__*", r'bare\.encode\("utf-8", errors="replace"\).*  ->  .*bare\.encode\((errors="replace"|"UTF-8", errors="replace")\)',
+     "str.encode defaults to UTF-8, and 'UTF-8' names the same codec"),
+    ("*inputs.x__bracket_depth__*", r"\.astype\(np\.int64\) \+ \(codes == ord\(\"\{\"\)\)  ->  .*\.astype\(None\)",
+     "float64 counts are exact far beyond any file's length (2**53), so the depth is the same"),
+    ("*inputs.x_json_depth__*", r"""if '"' in text else text  ->  .*(if \('"' in text\) or True|'XX""XX')""",
+     "replacing strings in a text without quotes changes nothing; any placeholder without a "
+     "bracket or a digit measures the same depth and finds the same numbers (JSON puts ':', ',', "
+     "']' or '}' after a string, never a digit)"),
+    ("*inputs.x_loads_json__*", r"""if '"' in text else text  ->  .*(if \('"' in text\) or True|'XX""XX')""",
+     "replacing strings in a text without quotes changes nothing; any placeholder without a "
+     "bracket or a digit measures the same depth and finds the same numbers (JSON puts ':', ',', "
+     "']' or '}' after a string, never a digit)"),
+    ("*inputs.x_loads_json__*", r'count\("\{"\) > MAX_JSON_DEPTH:.*  ->  .*count\("\{"\) >= MAX_JSON_DEPTH:',
+     "a pre-check: with exactly MAX_JSON_DEPTH brackets the depth is at most that, so measuring "
+     "it refuses nothing more"),
+    ("*inputs.x_read_text_file__*", r"handle\.read\(max_bytes \+ 1\)  ->  .*handle\.read\(max_bytes \+ 2\)",
+     "one byte more read: a file over the limit is refused all the same"),
+    ("*inputs.x_read_text_file__*", r'raw\.decode\("utf-8"\)  ->  .*raw\.decode\("UTF-8"\)', "the same codec"),
     # tools/results_io.py
     ("*results_io.x_write_atomically__*",
      r'encoding="utf-8"\) as stream:  ->  with os\.fdopen\(handle, "w", (encoding=("UTF-8"|None))? ?\)',

@@ -6,6 +6,7 @@ pin each limit exactly, so an off-by-one in a limit fails here."""
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -38,12 +39,32 @@ def test_only_regular_files_pass(tmp_path):
         assert str(info.value).startswith(message), str(info.value)
 
 
+@pytest.mark.parametrize("mode, kind", [
+    (stat.S_IFSOCK | 0o600, "a socket"), (stat.S_IFBLK | 0o600, "a device"),
+    (0o600, "not a regular file"),  # no file type bits: what no Linux file system reports
+])
+def test_other_file_types_are_named(tmp_path, monkeypatch, mode, kind):
+    path = tmp_path / "x"
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: os.stat_result((mode,) + tuple(real(tmp_path))[1:])
+                        if str(p) == str(path) else real(p, *a, **k))
+    with pytest.raises(ValueError, match=rf"^node map '{path}' is {kind}; give a regular file"):
+        check_regular_file(path, "node map")
+
+
 def test_text_files_are_read_up_to_their_limit(tmp_path):
     path = tmp_path / "f.txt"
     path.write_bytes(b"12345")
     assert read_text_file(path, "lengths file", max_bytes=5) == "12345"
     with pytest.raises(ValueError, match=r"larger than 4 bytes"):
         read_text_file(path, "lengths file", max_bytes=4)
+    sparse = tmp_path / "sparse.txt"  # 1 TiB of holes: reading it whole would not fit in memory
+    with open(sparse, "wb") as handle:
+        handle.truncate(2**40)
+    with pytest.raises(ValueError, match=r"larger than 10 bytes"):
+        read_text_file(sparse, "lengths file", max_bytes=10)
+    with pytest.raises(ValueError, match=rf"^cannot read lengths file '{tmp_path / 'none'}'"):
+        read_text_file(tmp_path / "none", "lengths file", max_bytes=10)
     path.write_bytes("ab\u00e9".encode() + b"\xff")
     with pytest.raises(ValueError, match=r"is not text \(not UTF-8 at byte 4\)"):
         read_text_file(path, "lengths file", max_bytes=100)
@@ -62,6 +83,11 @@ def test_json_nesting_limit_is_exact():
     deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
     assert json_depth(deepest) == MAX_JSON_DEPTH
     assert loads_json(deepest, "plan") is not None
+    # 64 deep with more than 64 brackets in all: accepted (the depth, not the count, decides)
+    assert loads_json("[[]," + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "]", "plan")[0] == []
+    # a character JSON cannot hold outside a string is measured, not raised over
+    with pytest.raises(ValueError, match="nests 70 levels deep"):
+        loads_json("[" * 70 + "\ud800", "plan")
     # many brackets side by side are shallow
     assert loads_json("[" + ", ".join(["[]"] * (MAX_JSON_DEPTH + 5)) + "]", "plan")[0] == []
     too_deep = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
@@ -94,7 +120,7 @@ def test_invalid_json_names_where():
 
 @pytest.mark.parametrize("text, lines", [
     ("", []), ("\n", [""]), ("a", ["a"]), ("a\n", ["a"]), ("a\n\nb", ["a", "", "b"]),
-    ("a\r\nb\r\n", ["a", "b"]), ("a\rb\n", ["a\rb"]),
+    ("ab\r\ncd\r\n", ["ab", "cd"]), ("a\rb\n", ["a\rb"]),
     ("4096\x0c812\x0b1\x1c2\u20283\n", ["4096\x0c812\x0b1\x1c2\u20283"]),
 ])
 def test_lines_split_only_at_newlines(text, lines):
@@ -115,6 +141,8 @@ def test_decimals(text, value):
     ("", "line 1: '' is not an integer"),
     ("12\n", "line 1: '12\\n' is not an integer"),
     ("x" * 41, "line 1: '" + "x" * 37 + "...' is not an integer"),
+    ("x" * 40, "line 1: '" + "x" * 40 + "' is not an integer"),
+    ("X12", "line 1: 'X12' is not an integer"),
     ("1" + "0" * 19, "line 1: a number of 20 digits (100000000000...) is out of range (at most 19 digits)"),
     ("-1" + "0" * 19, "line 1: a number of 20 digits (-10000000000...) is out of range (at most 19 digits)"),
 ])
@@ -144,6 +172,8 @@ def test_bounded_integers():
         (10**30, "ranks (an integer of about 31 digits) must be between"),
         (-10**30, "ranks (an integer of about 31 digits) must be between"),
         ("y" * 61, "ranks ('" + "y" * 56 + "...) must be an integer"),
+        ("y" * 58, "ranks ('" + "y" * 58 + "') must be an integer"),  # a repr of 60 characters
+        ("y" * 59, "ranks ('" + "y" * 56 + "...) must be an integer"),  # 61
     ]:
         with pytest.raises(ValueError) as info:
             bounded_int(value, "ranks", low=5, high=1000)
