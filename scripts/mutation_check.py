@@ -104,7 +104,7 @@ PLANTED = [
     Planted(
         "resume offset (valid)", "resuming evaluation skips consumed_valid_samples global batches",
         (("megatron_bytescale/integration/megatron_lm_data.py",
-          '(getattr(args, "consumed_valid_samples", 0) or 0) // int(args.global_batch_size)',
+          '(getattr(args, "consumed_valid_samples", 0) or 0) // eval_batch_size',
           '(getattr(args, "consumed_valid_samples", 0) or 0)'),),
         ("tests/integration/test_resume_offset.py",),
     ),
@@ -658,7 +658,7 @@ def _rejudge(state: dict) -> None:
 
 
 def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
-               timeout_s: int) -> tuple[str, bool]:
+               timeout_s: int, note: str = "") -> tuple[str, bool]:
     if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
@@ -687,7 +687,7 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
         f"{total} mutants, {minutes:.0f} min of mutant runs with {workers} workers (plus about "
         "a minute per target to generate mutants and map tests); a timeout counts as detected (the "
         f"mutant made a test hang). Per-target results: `{RESULTS.relative_to(ROOT)}`. "
-        + machine_line() + "\n\n"
+        + machine_line() + (f" {note}" if note else "") + "\n\n"
         + markdown_table(["module", "mutants", "killed", "timeout", "survived", "no test ran it", "other",
                           "equivalent (justified)", "unjustified", "minutes"], rows) + "\n"
     )
@@ -713,12 +713,14 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole mutmut run")
     ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing docs/testing.md")
     ap.add_argument("--keep", action="store_true", help="keep mutmut's work folder (to inspect mutants)")
+    ap.add_argument("--note", default="", help="a remark on the machine for the tables (e.g. its load)")
     args = ap.parse_args()
     python = sys.executable
     ok = True
     if args.part in ("both", "planted"):
         body, caught = run_planted(python, timeout_s=900)
         ok &= caught
+        body = body.replace(machine_line(), machine_line() + (f" {args.note}" if args.note else ""), 1)
         print(body) if args.no_write else write_section("planted", body, TESTING_MD)
     if args.part in ("both", "mutmut"):
         wanted = None if args.targets == "all" else set(args.targets.split(",")) - {"none"}
@@ -726,7 +728,7 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"--targets: unknown {sorted(unknown)}; choose from {[t.key for t in TARGETS]}")
         targets = [t for t in TARGETS if wanted is None or t.key in wanted]
-        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout)
+        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout, args.note)
         ok &= clean
         print(body) if args.no_write else write_section("mutmut", body, TESTING_MD)
     if not ok:
