@@ -26,7 +26,7 @@ Neither part is in ``bash scripts/test.sh``.
 Usage::
 
     .venv/bin/python scripts/mutation_check.py                 # both parts, writes docs/testing.md
-    .venv/bin/python scripts/mutation_check.py --part planted  # only the five planted bugs
+    .venv/bin/python scripts/mutation_check.py --part planted  # only the planted bugs
     .venv/bin/python scripts/mutation_check.py --part mutmut --targets zigzag,online_softmax
     .venv/bin/python scripts/mutation_check.py --no-write --keep   # print; keep the work folder
 """
