@@ -475,6 +475,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "'UTF-8' names the same codec; without an encoding Python uses the locale's, which is UTF-8 "
      "in every locale Python starts in by default (a C/POSIX locale is coerced to UTF-8, PEP 538 "
      "and 540), and the JSON written is ASCII (json.dumps escapes the rest)"),
+    ("*results_io.x_save_or_print__*", r"file=sys\.stderr, flush=True\)  ->  .*file=sys\.stderr, (flush=(None|False))? ?\)",
+     "sys.stderr is line-buffered (always, since Python 3.9) and the message ends its line, so "
+     "it is written at once with or without flush"),
     # planner/schedulers/static.py (first fit's segment tree)
     ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[(\+1|-2)\] \*",
      "-1 marks a bin not yet opened in both lists: a leaf is entered only if its free tokens and "

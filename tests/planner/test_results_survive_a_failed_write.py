@@ -68,3 +68,16 @@ def test_the_results_go_through_a_hidden_temporary_next_to_them(tmp_path, monkey
     assert dst == target and src.parent == target.parent and text == '{"tokens": 1}\n'
     assert src.name.startswith(".results.json.") and src.name.endswith(".tmp"), src.name
     assert sorted(p.name for p in target.parent.iterdir()) == ["results.json"]
+
+
+def test_saved_says_so_and_printed_text_ends_its_line(tmp_path, capsys, monkeypatch):
+    assert save_or_print(tmp_path / "r.json", "{}", what="results JSON", prog="p") is True
+    assert capsys.readouterr() == ("", "") and (tmp_path / "r.json").read_text() == "{}"
+
+    def fail(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    assert save_or_print(tmp_path / "r.json", '{"a": 1}', what="results JSON", prog="p") is False
+    out, err = capsys.readouterr()
+    assert out == '{"a": 1}\n' and err.startswith("p: could not write the results JSON")
