@@ -26,7 +26,7 @@ Neither part is in ``bash scripts/test.sh``.
 Usage::
 
     .venv/bin/python scripts/mutation_check.py                 # both parts, writes docs/testing.md
-    .venv/bin/python scripts/mutation_check.py --part planted  # only the five planted bugs
+    .venv/bin/python scripts/mutation_check.py --part planted  # only the planted bugs
     .venv/bin/python scripts/mutation_check.py --part mutmut --targets zigzag,online_softmax
     .venv/bin/python scripts/mutation_check.py --no-write --keep   # print; keep the work folder
 """
@@ -104,7 +104,7 @@ PLANTED = [
     Planted(
         "resume offset (valid)", "resuming evaluation skips consumed_valid_samples global batches",
         (("megatron_bytescale/integration/megatron_lm_data.py",
-          '(getattr(args, "consumed_valid_samples", 0) or 0) // int(args.global_batch_size)',
+          '(getattr(args, "consumed_valid_samples", 0) or 0) // eval_batch_size',
           '(getattr(args, "consumed_valid_samples", 0) or 0)'),),
         ("tests/integration/test_resume_offset.py",),
     ),
@@ -232,7 +232,8 @@ def run_planted(python: str, timeout_s: int) -> tuple[str, bool]:
             done = subprocess.run(
                 [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *bug.tests],
                 cwd=work, capture_output=True, text=True, timeout=timeout_s,
-                env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                # Megatron-LM subprocesses import the planted copy, not the installed package
+                env=dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_LM_PYTHONPATH=str(work)),
             )
             failed = sorted({line.split()[1].split("[")[0] for line in done.stdout.splitlines()
                              if line.startswith("FAILED ")})
@@ -272,6 +273,12 @@ PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_pla
 OFFLOAD_TESTS = ("tests/runtime/test_runtime_offload.py", "tests/runtime/test_runtime_offload_storage.py",
                  "tests/runtime/test_runtime_offload_classes.py",
                  "tests/integration/test_sequence_parallel_rows.py")
+_PLACEMENT = "tests/planner/test_topology_placement.py::"
+PLACEMENT_TESTS = tuple(_PLACEMENT + t for t in (
+    "test_compact_choices_by_hand", "test_compact_on_an_explicit_node_map",
+    "test_every_ring_sits_on_its_fewest_nodes", "test_fill_candidates_follow_the_nodes",
+    "test_free_ranks_by_hand", "test_fewest_nodes_when_no_compact_choice_exists",
+    "test_placement_follows_an_explicit_node_map"))
 TARGETS = [
     Target("zigzag", "planner/zigzag.py", "megatron_bytescale/planner/zigzag.py", ("*",),
            PLANNER_TESTS + ("tests/runtime/test_runtime_layout.py",)),
@@ -343,6 +350,23 @@ TARGETS = [
            ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
             "tests/integration/test_megatron_lm_hooks.py::test_chained_provider_parses_ours_after_another",
             "tests/integration/test_config.py")),
+    # the modules the verification fixes changed, each with the smallest fast in-process tests
+    # that execute it (no spawned ranks, no Megatron-LM subprocess: about a second per mutant)
+    Target("static", "planner/schedulers/static.py (first fit)",
+           "megatron_bytescale/planner/schedulers/static.py",
+           ("x_first_fit_bins", "xǁ_FreeSpaceǁ*"), ("tests/planner/test_static_first_fit.py",)),
+    Target("placement", "planner/schedulers/placement.py (topology rule)",
+           "megatron_bytescale/planner/schedulers/placement.py", ("*",),
+           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
+    Target("balance_topology", "planner/schedulers/balance.py (dp_balance, topology rule)",
+           "megatron_bytescale/planner/schedulers/balance.py", ("x_dp_balance", "x__place_ring"),
+           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
+    Target("inputs", "planner/inputs.py (bounded reads, strict numbers)",
+           "megatron_bytescale/planner/inputs.py", ("*",),
+           ("tests/planner/test_input_readers.py", "tests/planner/test_bad_inputs.py")),
+    Target("results_io", "tools/results_io.py (results survive a failed write)",
+           "megatron_bytescale/tools/results_io.py", ("*",),
+           ("tests/planner/test_results_survive_a_failed_write.py",)),
     Target("flags", "integration/megatron_lm.py (flags without --bytescale-hdp refused)",
            "megatron_bytescale/integration/megatron_lm.py", ("x_flags_without_hdp", "x_check_args"),
            ("tests/integration/test_megatron_lm_hooks.py::test_bytescale_flags_without_the_switch_are_refused_naming_them",
@@ -442,6 +466,58 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__place_rings_aligned__*", r"np\.zeros\(n, dtype=bool\)  ->  .*np\.zeros\(n, (dtype=None)?\)",
      "the mask is only read by np.where and np.append(..., False), which treat a float 0/1 array "
      "as the boolean one"),
+    # planner/inputs.py
+    ("*inputs.x__bracket_depth__*", r'bare\.encode\("utf-8", errors="replace"\).*  ->  .*bare\.encode\((errors="replace"|"UTF-8", errors="replace")\)',
+     "str.encode defaults to UTF-8, and 'UTF-8' names the same codec"),
+    ("*inputs.x__bracket_depth__*", r"\.astype\(np\.int64\) \+ \(codes == ord\(\"\{\"\)\)  ->  .*\.astype\(None\)",
+     "float64 counts are exact far beyond any file's length (2**53), so the depth is the same"),
+    ("*inputs.x_json_depth__*", r"""if '"' in text else text  ->  .*(if \('"' in text\) or True|'XX""XX')""",
+     "replacing strings in a text without quotes changes nothing; any placeholder without a "
+     "bracket or a digit measures the same depth and finds the same numbers (JSON puts ':', ',', "
+     "']' or '}' after a string, never a digit)"),
+    ("*inputs.x_loads_json__*", r"""if '"' in text else text  ->  .*(if \('"' in text\) or True|'XX""XX')""",
+     "replacing strings in a text without quotes changes nothing; any placeholder without a "
+     "bracket or a digit measures the same depth and finds the same numbers (JSON puts ':', ',', "
+     "']' or '}' after a string, never a digit)"),
+    ("*inputs.x_loads_json__*", r'count\("\{"\) > MAX_JSON_DEPTH:.*  ->  .*count\("\{"\) >= MAX_JSON_DEPTH:',
+     "a pre-check: with exactly MAX_JSON_DEPTH brackets the depth is at most that, so measuring "
+     "it refuses nothing more"),
+    ("*inputs.x_read_text_file__*", r"handle\.read\(max_bytes \+ 1\)  ->  .*handle\.read\(max_bytes \+ 2\)",
+     "one byte more read: a file over the limit is refused all the same"),
+    ("*inputs.x_read_text_file__*", r'raw\.decode\("utf-8"\)  ->  .*raw\.decode\("UTF-8"\)', "the same codec"),
+    # tools/results_io.py
+    ("*results_io.x_write_atomically__*",
+     r'encoding="utf-8"\) as stream:  ->  with os\.fdopen\(handle, "w", (encoding=("UTF-8"|None))? ?\)',
+     "'UTF-8' names the same codec; without an encoding Python uses the locale's, which is UTF-8 "
+     "in every locale Python starts in by default (a C/POSIX locale is coerced to UTF-8, PEP 538 "
+     "and 540), and the JSON written is ASCII (json.dumps escapes the rest)"),
+    ("*results_io.x_save_or_print__*", r"file=sys\.stderr, flush=True\)  ->  .*file=sys\.stderr, (flush=(None|False))? ?\)",
+     "sys.stderr is line-buffered (always, since Python 3.9) and the message ends its line, so "
+     "it is written at once with or without flush"),
+    # planner/schedulers/static.py (first fit's segment tree)
+    ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[(\+1|-2)\] \*",
+     "-1 marks a bin not yet opened in both lists: a leaf is entered only if its free tokens and "
+     "its free slots both suffice, and the other list still holds -1 there (any negative mark "
+     "also never suffices: every document needs >= 1 token and slot)"),
+    ("*static.xǁ_FreeSpaceǁ*", r"\[-1\] \* \((2|4) \* size\)  ->  .*\[-1\] \* \((3|5) \* size\)",
+     "a longer list: the entries past the tree are never read"),
+    ("*static.xǁ_FreeSpaceǁ_grow__*", r"range\(2 \* size - 1, 0, -1\):  ->  .*range\(2 \* size - (2, 0|1, 1), -1\)",
+     "the node skipped (2 size - 1, over new leaves only, or the root) is recomputed by the set() "
+     "that follows every grow: the new bin's leaf changes from -1, so every node on its path to "
+     "the root changes and is rewritten"),
+    ("*static.xǁ_FreeSpaceǁ_update__*", r"if (\w+)\[left\] > \1\[right\] else .*  ->  .*\[left\] >= ",
+     "on a tie both children hold the same maximum"),
+    ("*static.xǁ_FreeSpaceǁ_update__*", r"if tokens\[i\] == t and slots\[i\] == s:  ->  if tokens\[i\] != t and|break  ->  return",
+     "an update stopped early leaves maxima too high (take() only lowers a leaf; set() changes "
+     "slots from -1 as well, so it never stops early), and first_fit is exact with maxima too "
+     "high: where no child fits it moves on to the right; only the work changes. `return` ends "
+     "the method as `break` does"),
+    ("*static.xǁ_FreeSpaceǁfirst_fit__*", r"i = 1  ->  i = 2",
+     "starting at the root's left child visits the same leaves: where it finds no fit the search "
+     "moves to its sibling (the right child) and ends at the root"),
+    ("*static.x_first_fit_bins__*", r"if n < context and need_slots < capacity:",
+     "a bin full when it opens given a leaf anyway is never entered (it has no token or no slot "
+     "left): the same bins, only more work"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),
@@ -576,12 +652,39 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _rejudge(state: dict) -> None:
+    """Survivors of earlier runs judged again by the current :data:`EQUIVALENT` table (a reason
+    added after a run applies to it; a row whose status says it was killed since keeps that)."""
+    for entry in state.values():
+        unjustified = 0
+        for row in entry.get("survivors", []):
+            status, _, old_reason = row[3].partition(": ")
+            target = next((t for t in TARGETS if row[0].startswith(t.label)), None)
+            name = f"{target.file[:-3].replace('/', '.')}.{row[1]}" if target else row[1]
+            before = row[2].strip("`").partition("  ->  ")[0].split(" / ")[0]
+            source = (ROOT / target.file).read_text(encoding="utf-8") if target else ""
+            stale = target is not None and before not in source
+            reason = ("stale: this line is no longer in the code (changed after this run); the "
+                      "function's current code is in a later row" if stale else None)
+            reason = reason or _justification(name, row[2].strip("`")) or (
+                old_reason if old_reason != "**NOT JUSTIFIED**" and "killed since" in old_reason else None)
+            row[3] = f"{status}: " + (reason or "**NOT JUSTIFIED**")
+            unjustified += reason is None
+        if "survivors" in entry and entry["row"][-3:-1] != [None, None]:
+            entry["unjustified"] = unjustified
+            entry["row"][-3] = len(entry["survivors"]) - unjustified
+            entry["row"][-2] = unjustified
+
+
 def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
-               timeout_s: int) -> tuple[str, bool]:
+               timeout_s: int, note: str = "") -> tuple[str, bool]:
     if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
     state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
+    _rejudge(state)
+    if not targets:
+        RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     for target in targets:
         row, surv, hung, bad, n = run_target(python, target, max_children, keep, timeout_s)
         state[target.key] = {"row": row, "survivors": surv, "timeouts": hung, "unjustified": bad,
@@ -603,7 +706,7 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
         f"{total} mutants, {minutes:.0f} min of mutant runs with {workers} workers (plus about "
         "a minute per target to generate mutants and map tests); a timeout counts as detected (the "
         f"mutant made a test hang). Per-target results: `{RESULTS.relative_to(ROOT)}`. "
-        + machine_line() + "\n\n"
+        + machine_line() + (f" {note}" if note else "") + "\n\n"
         + markdown_table(["module", "mutants", "killed", "timeout", "survived", "no test ran it", "other",
                           "equivalent (justified)", "unjustified", "minutes"], rows) + "\n"
     )
@@ -623,25 +726,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("both", "planted", "mutmut"), default="both")
     ap.add_argument("--targets", default="all",
-                    help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all)")
+                    help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all; "
+                         "'none' runs nothing and rewrites the table from docs/mutation_check.json)")
     ap.add_argument("--max-children", type=int, default=2, help="mutmut workers (default 2)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole mutmut run")
     ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing docs/testing.md")
     ap.add_argument("--keep", action="store_true", help="keep mutmut's work folder (to inspect mutants)")
+    ap.add_argument("--note", default="", help="a remark on the machine for the tables (e.g. its load)")
     args = ap.parse_args()
     python = sys.executable
     ok = True
     if args.part in ("both", "planted"):
         body, caught = run_planted(python, timeout_s=900)
         ok &= caught
+        body = body.replace(machine_line(), machine_line() + (f" {args.note}" if args.note else ""), 1)
         print(body) if args.no_write else write_section("planted", body, TESTING_MD)
     if args.part in ("both", "mutmut"):
-        wanted = None if args.targets == "all" else set(args.targets.split(","))
+        wanted = None if args.targets == "all" else set(args.targets.split(",")) - {"none"}
         unknown = (wanted or set()) - {t.key for t in TARGETS}
         if unknown:
             raise SystemExit(f"--targets: unknown {sorted(unknown)}; choose from {[t.key for t in TARGETS]}")
         targets = [t for t in TARGETS if wanted is None or t.key in wanted]
-        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout)
+        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout, args.note)
         ok &= clean
         print(body) if args.no_write else write_section("mutmut", body, TESTING_MD)
     if not ok:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
+from ..env import MAX_PROCESSES, env_int
 from .compat import megatron_lm_flag_refusals
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name, given_flags
 from .groups import HDPParallelLayout
@@ -132,7 +132,7 @@ def _refuse_unsupported_megatron() -> None:
     try:
         require_supported_megatron()
     except UnsupportedMegatronVersion as exc:
-        if int(os.environ.get("RANK", "0") or 0) == 0:
+        if _env_rank_is_zero():
             print(f"megatron_bytescale: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
@@ -293,6 +293,13 @@ def _validated_config(args: Any, *, explicit_capacity: bool) -> ByteScaleConfig:
                 )
             if config.dataloader == "ray":
                 reasons += _ray_refusals()
+            if config.ranks_per_node is None:  # the node map comes from LOCAL_WORLD_SIZE
+                try:
+                    env_int("LOCAL_WORLD_SIZE", low=1, high=MAX_PROCESSES,
+                            hint="torchrun sets it to the processes per node; fix or unset it, "
+                                 f"or pass {flag_name('ranks_per_node')} with the processes per node")
+                except ValueError as exc:
+                    reasons.append(str(exc))
             max_positions = getattr(args, "max_position_embeddings", None)
             if max_positions is not None and context > max_positions:
                 reasons.append(
@@ -318,9 +325,16 @@ def _ray_refusals() -> list[str]:
 
 def _is_rank0(args: Any) -> bool:
     rank = getattr(args, "rank", None)
-    if rank is None:
-        rank = os.environ.get("RANK", "0")
-    return int(rank) == 0
+    return _env_rank_is_zero() if rank is None else int(rank) == 0
+
+
+def _env_rank_is_zero() -> bool:
+    """Whether this process reports for the job: ``RANK`` 0 or unset. A ``RANK`` that is not a
+    rank reports too (each such process prints the one line; none raises over it)."""
+    try:
+        return not env_int("RANK", low=0, high=MAX_PROCESSES, default=0)
+    except ValueError:
+        return True
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping, Optional, Sequence
 
+from megatron_bytescale.env import MAX_PROCESSES, env_int
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.plan import StepPlan
 from megatron_bytescale.planner.topology import Topology
@@ -91,17 +92,10 @@ def hdp_topology(
     """
     env = os.environ if environ is None else environ
     per_node = config.ranks_per_node
-    if per_node is None and env.get("LOCAL_WORLD_SIZE"):
-        raw = env["LOCAL_WORLD_SIZE"]
-        try:
-            per_node = int(raw)
-        except ValueError:
-            per_node = 0
-        if per_node < 1:
-            raise ValueError(
-                f"LOCAL_WORLD_SIZE ({raw!r}) is not a positive integer; pass "
-                "--bytescale-ranks-per-node with the processes per node"
-            )
+    if per_node is None:
+        per_node = env_int("LOCAL_WORLD_SIZE", low=1, high=MAX_PROCESSES, environ=env,
+                           hint="torchrun sets it to the processes per node; fix or unset it, or "
+                                "pass --bytescale-ranks-per-node with the processes per node")
     if per_node is None:
         return Topology.of(cost_model)
     ranks = list(range(hdp_size)) if global_ranks is None else [int(r) for r in global_ranks]

@@ -42,10 +42,14 @@ class Heartbeat:
     @classmethod
     def from_env(cls, *, rank: int, world_size: int, interval_s: float = 1.0) -> "Heartbeat":
         """A heartbeat on the store torchrun serves at ``MASTER_ADDR:MASTER_PORT``."""
-        import os
+        from ..env import MAX_PORT, env_int, env_text
 
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=30))
+        hint = "torchrun sets it for each worker: start the job with torchrun"
+        address = env_text("MASTER_ADDR", hint=hint)
+        port = env_int("MASTER_PORT", low=1, high=MAX_PORT, hint=hint)
+        if port is None:
+            raise ValueError(f"the environment variable MASTER_PORT is unset; {hint}")
+        store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=30))
         return cls(store, rank=rank, world_size=world_size, interval_s=interval_s)
 
     def start(self) -> "Heartbeat":

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..env import omp_num_threads
 from .demo_process import PROGRESS_BAR_ENV, RESULTS_ENV, Interrupted, run_supervised
 from .demo_settings import BUILTIN_DATASETS, DEFAULT_MODES, DEFAULT_TIMEOUT_MINUTES, MODES, DemoSettings
 
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        omp_num_threads()  # the workers' threads: libgomp would only warn once per rank
         settings = settings_from_args(args)
         prepare_out_dir(settings, args.out)
         check_datasets(settings)

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from megatron_bytescale.env import MAX_PORT, MAX_PROCESSES, env_int, omp_num_threads
+
 DEFAULT_OUT = "cost_model.json"
 
 
@@ -118,16 +120,17 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if not args.out:
         raise ValueError("--out is empty; give the cost model JSON file to write")
-    threads = os.environ.get("OMP_NUM_THREADS") or "1"
-    if not (threads.isascii() and threads.isdigit() and 1 <= int(threads) <= 4096):
-        raise ValueError(f"the environment variable OMP_NUM_THREADS={threads!r} must be a number of "
-                         "threads >= 1 (or unset)")
+    omp_num_threads()
+
+
+_WORKER_HINT = ("bytescale profile runs as a torchrun worker when WORLD_SIZE is set; unset "
+                "WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE to let it start the workers")
 
 
 def _world_size(args: argparse.Namespace) -> int:
     """Processes of the job: torchrun's WORLD_SIZE, else what :func:`launch` will start."""
     if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+        return env_int("WORLD_SIZE", low=1, high=MAX_PROCESSES, hint=_WORKER_HINT)
     if args.nproc_per_node is not None:
         return args.nproc_per_node
     import torch
@@ -141,12 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_flags(args, None)
         lengths = profile_lengths(args)
-        check_model_flags(args, _world_size(args))
+        world = _world_size(args)
+        check_model_flags(args, world)
+        if "WORLD_SIZE" in os.environ:  # a worker: what run_worker reads, checked before torch
+            check_worker_environment(world)
     except ValueError as exc:
         parser.error(str(exc))
     if "WORLD_SIZE" in os.environ:
         return run_worker(args, lengths)
     return launch(args, list(sys.argv[1:] if argv is None else argv))
+
+
+def check_worker_environment(world_size: int) -> None:
+    """The variables a worker reads besides WORLD_SIZE (one line naming a bad one)."""
+    env_int("RANK", low=0, high=world_size - 1, default=0, hint=_WORKER_HINT)
+    local = env_int("LOCAL_WORLD_SIZE", low=1, high=world_size, default=world_size, hint=_WORKER_HINT)
+    env_int("LOCAL_RANK", low=0, high=local - 1, default=0, hint=_WORKER_HINT)
+    env_int("MASTER_PORT", low=1, high=MAX_PORT, default=None, hint=_WORKER_HINT)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -186,9 +200,9 @@ def run_worker(args: argparse.Namespace, lengths: list[int]) -> int:
     config = ByteScaleConfig.from_args(args)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(env_int("LOCAL_RANK", low=0, high=MAX_PROCESSES, default=0))
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or "1"))
+        torch.set_num_threads(omp_num_threads())
     dist.init_process_group("nccl" if on_cuda else "gloo")
     saved = True
     try:
@@ -239,7 +253,7 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
             print(f"[bytescale profile {time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr,
                   flush=True)
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    local = env_int("LOCAL_WORLD_SIZE", low=1, high=MAX_PROCESSES, default=dist.get_world_size())
     progress(f"{args.num_layers}-layer GPT on {manager.size} HDP rank(s), lengths {lengths}")
     return profile_model(model, manager, lengths=lengths, repeats=args.repeats,
                          vocab_size=args.vocab_size, dkv_wire=config.dkv_wire_dtype, progress=progress,

@@ -18,7 +18,7 @@ def test_default_is_local_world_size_then_the_cost_model():
     cfg = ByteScaleConfig(hdp=True, capacity=1024)
     assert hdp_topology(cfg, hdp_size=16, cost_model=CM, environ={}) == Topology(ranks_per_node=8)
     assert hdp_topology(cfg, hdp_size=16, cost_model=CM, environ={"LOCAL_WORLD_SIZE": "4"}) == Topology(ranks_per_node=4)
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE \\('x'\\) is not a positive integer"):
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='x' must be an integer from 1"):
         hdp_topology(cfg, hdp_size=16, cost_model=CM, environ={"LOCAL_WORLD_SIZE": "x"})
 
 

@@ -68,3 +68,33 @@ def test_static_plan_uses_those_bins():
     assert plan.meta["num_bins"] == len(want)
     got = sorted(sorted(mb.seqs) for r in plan.ranks for mb in r.micro_batches)
     assert got == sorted(sorted(b) for b in want)
+
+
+def test_a_static_plan_of_100k_documents_is_bounded_work():
+    """``plan --scheduler static`` / ``simulate --contexts 1`` on 100k documents that each fill
+    the context: planning and estimating is linear work (one bin, one micro-batch per document;
+    about 4 s of CPU on a loaded 2-core machine). The bound is this thread's CPU time, so other
+    processes on the machine do not count; a first fit that scans the earlier bins does
+    5 * 10**9 comparisons here (hours), far past it."""
+    import time
+
+    from megatron_bytescale.planner.estimate import estimate_plan
+
+    cm = preset_cost_model("llama-7b")
+    start = time.thread_time()
+    plan = make_plan([1] * 100_000, scheduler="static", hdp_size=1024, capacity=8192, cost_model=cm,
+                     context_length=1)
+    estimate = estimate_plan(plan, cm)
+    spent = time.thread_time() - start
+    assert plan.meta["num_bins"] == 100_000 and estimate.step_time_s > 0
+    assert sorted(mb.seqs[0] for r in plan.ranks for mb in r.micro_batches) == list(range(100_000))
+    assert spent < 120, f"{spent:.0f} s of CPU for 100k documents"
+
+
+def test_first_fit_pads_documents_to_no_alignment_unless_asked():
+    """``align`` defaults to 1 (no padding beyond the zigzag split); the bench and the scan
+    both call it so."""
+    lengths = [3, 5, 2, 7, 1, 6, 4, 4, 9, 2]
+    got = first_fit_bins(lengths, context=20, capacity=12, cp=2)
+    assert got == reference_first_fit(lengths, context=20, capacity=12, cp=2, align=1)
+    assert got != first_fit_bins(lengths, context=20, capacity=12, cp=2, align=2)

@@ -238,3 +238,45 @@ def test_offload_micro_batch_is_a_no_op_without_an_offloader_or_autograd():
     context = offload_micro_batch(offloader, batch)
     assert isinstance(context, MicroBatchOffload) and context.num_tokens == 10
     assert offloader.end_step().micro_batches == 1
+
+
+class _Saves(torch.autograd.Function):
+    """``y = x * 1`` that saves ``extra`` for backward (as a kernel saves a small statistic)
+    and checks there that it reads back what was saved."""
+
+    @staticmethod
+    def forward(ctx, x, extra):
+        ctx.save_for_backward(extra)
+        ctx.expected = extra.detach().clone().view(torch.uint8)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        (extra,) = ctx.saved_tensors
+        assert torch.equal(extra.view(torch.uint8), ctx.expected)
+        return grad, None
+
+
+class SavesOne(torch.nn.Module):
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Saves.apply(x, self.make(x))
+
+
+@pytest.mark.parametrize("what, make, offloaded", [
+    # one byte of a floating dtype (a float8 scale): worth a copy when min_tensor_bytes is 0
+    ("one byte", lambda x: (x.detach().reshape(-1)[:1] * 1.0).to(torch.float8_e4m3fn), 1),
+    # an empty column slice of a [T, H] tensor: zero bytes, yet its storage span covers
+    # (T - 1) * H elements; copying that span would move bytes nothing reads
+    ("empty view", lambda x: (x.detach()[:, 0, :] * 1.0)[:, :0], 0),
+])
+def test_a_saved_tensor_is_worth_a_copy_only_if_it_holds_bytes(what, make, offloaded):
+    layers = torch.nn.ModuleList([SavesOne(make) for _ in range(3)])  # layer 0 offloadable
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    reference = step(layers, None, 1.0, 50)
+    grads = step(layers, offloader, 1.0, 50)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert offloader.end_step().offloaded_bytes == offloaded, what

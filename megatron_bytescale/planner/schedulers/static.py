@@ -78,19 +78,28 @@ def first_fit_bins(lengths: Sequence[int], *, context: int, capacity: int, cp: i
     Scanning the bins for each document is quadratic (20k documents that each fill a bin took
     25 s); a segment tree over the bins that keeps, per subtree, the most free tokens and the
     most free slots of any bin in it finds the same bin by descending only into subtrees where
-    both could fit. A full bin has no room left and is never entered again.
+    both could fit.
+
+    A bin that is full when it opens (a document of the whole context, or of the whole
+    per-rank slots) can never take another document (every document has >= 1 token and slot),
+    so it gets no leaf: the tree holds only bins with room, in bin order, and a batch of
+    documents that each fill the context (``simulate --contexts 1``: one bin per token) costs
+    one look at an empty tree per document.
     """
     free = _FreeSpace()
     bins: list[list[int]] = []
+    open_bins: list[int] = []  # leaf -> its bin; leaves are given in bin order
     for pos, n in enumerate(lengths):
         need_slots = n if cp == 1 else 2 * zigzag_chunk(n, cp, align)
-        b = free.first_fit(n, need_slots)
-        if b < 0:
-            free.set(len(bins), context - n, capacity - need_slots)
+        leaf = free.first_fit(n, need_slots)
+        if leaf < 0:
+            if n < context and need_slots < capacity:
+                free.set(len(open_bins), context - n, capacity - need_slots)
+                open_bins.append(len(bins))
             bins.append([pos])
         else:
-            bins[b].append(pos)
-            free.take(b, n, need_slots)
+            bins[open_bins[leaf]].append(pos)
+            free.take(leaf, n, need_slots)
     return bins
 
 
