@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .config import RefusedArguments
@@ -329,13 +330,19 @@ class HDPGroupManager:
 
     @classmethod
     def from_megatron(
-        cls, *, attention_backend: Optional[str] = None, dkv_wire: str = "accumulator"
+        cls,
+        *,
+        attention_backend: Optional[str] = None,
+        dkv_wire: str = "accumulator",
+        timeout: Optional[timedelta] = None,
     ) -> "HDPGroupManager":
         """Wrap Megatron's (already initialised) data-parallel group as the HDP group.
 
         Reads the TP / PP layout from Megatron's groups (:class:`HDPRankMap`) and checks it
         across the world, then creates the ring groups, one per HDP group (collectives: call it
-        on every rank, once).
+        on every rank, once). ``timeout``: the ring groups' wait for a peer, the
+        ``distributed_timeout_minutes`` Megatron was initialised with (Megatron does not keep
+        it; ``None`` is torch's default, 30 minutes, which is also Megatron's default).
         """
         from megatron.core import parallel_state
 
@@ -349,7 +356,7 @@ class HDPGroupManager:
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         rank_map = HDPRankMap.from_megatron()
-        ring_group = new_ring_groups(HDPRankMap.hdp_groups(rank_map.verify()))
+        ring_group = new_ring_groups(HDPRankMap.hdp_groups(rank_map.verify()), timeout=timeout)
         return cls(
             HDPGroup(group, ring_group=ring_group), attention_backend=attention_backend,
             dkv_wire=dkv_wire, rank_map=rank_map,
@@ -482,7 +489,11 @@ def initialize_hdp_model_parallel(
             hybrid_context_parallel=False,
             **megatron_kwargs,
         )
-    manager = HDPGroupManager.from_megatron(attention_backend=attention_backend, dkv_wire=dkv_wire)
+    # the ring groups wait for a peer as long as Megatron's own groups (its default: 30 minutes)
+    timeout = timedelta(minutes=float(megatron_kwargs.get("distributed_timeout_minutes", 30)))
+    manager = HDPGroupManager.from_megatron(
+        attention_backend=attention_backend, dkv_wire=dkv_wire, timeout=timeout
+    )
     found = (manager.size, manager.tp_size, manager.pp_size)
     wanted = (layout.hdp_size, tensor_model_parallel_size, pipeline_model_parallel_size)
     if found != wanted:

@@ -38,6 +38,9 @@ def hdp_manager(args: Any) -> HDPGroupManager:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         attention_backend=config.ring_attention_backend,
         dkv_wire=config.dkv_wire_dtype,
+        # Megatron initialised its groups already (it is not initialised again); this sets the
+        # ring groups' wait for a peer to the same --distributed-timeout-minutes
+        distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", 30),
     )
 
 

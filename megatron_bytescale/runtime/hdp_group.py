@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -99,6 +100,11 @@ class HDPGroup:
             pass this rank's (:func:`new_ring_groups`). Passing ``group`` itself puts rings and
             collectives on one communicator, which can deadlock on NCCL; tests use it to show
             that.
+        ring_timeout: how long a ring operation may wait for a peer when the ring group is
+            created here; give the HDP group's own timeout (``init_process_group``'s, Megatron's
+            ``--distributed-timeout-minutes``). ``None`` is torch's default (30 minutes): a
+            group made by ``new_group`` does not inherit the default group's timeout, so
+            without it a stopped ring member would hold its peers for 30 minutes.
 
     The global ranks of the group are read once here, so creating rings and sending to peers
     never queries or creates process groups (D2).
@@ -114,6 +120,7 @@ class HDPGroup:
         group: dist.ProcessGroup | None = None,
         *,
         ring_group: dist.ProcessGroup | None = None,
+        ring_timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -133,7 +140,7 @@ class HDPGroup:
                 f"HDP group reports size {self._size} but {len(self._global_ranks)} global ranks"
             )
         if ring_group is None:
-            ring_group = _new_ring_group(self._group, self._global_ranks)
+            ring_group = _new_ring_group(self._group, self._global_ranks, ring_timeout)
         ring_ranks = tuple(dist.get_process_group_ranks(ring_group))
         if ring_ranks != self._global_ranks:
             raise ValueError(
@@ -224,24 +231,32 @@ class HDPGroup:
         return f"HDPGroup(rank={self._rank}, size={self._size})"
 
 
-def _new_ring_group(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+def _new_ring_group(
+    group: dist.ProcessGroup, ranks: tuple[int, ...], timeout: timedelta | None
+) -> dist.ProcessGroup:
     if group is dist.group.WORLD:
-        return dist.new_group(list(ranks))
-    return dist.new_group(list(ranks), use_local_synchronization=True)
+        return dist.new_group(list(ranks), timeout=timeout)
+    return dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
 
 
-def new_ring_groups(hdp_groups: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+def new_ring_groups(
+    hdp_groups: Sequence[Sequence[int]], *, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
     """Create one ring group per HDP group and return this rank's; call on EVERY rank.
 
     ``hdp_groups`` lists the global ranks of every HDP group of the world (with TP / PP there
     is one per (TP rank, stage)); each must be in HDP-rank order. The groups are created in
     sorted order, so every rank makes the same ``new_group`` calls in the same order, as
     ``new_group`` requires (and as Megatron creates its own groups).
+
+    ``timeout``: how long a ring operation waits for a peer; pass the HDP group's (Megatron's
+    ``--distributed-timeout-minutes``). ``new_group`` does not inherit it from the default
+    group: ``None`` is torch's default of 30 minutes.
     """
     me = dist.get_rank()
     mine = None
     for ranks in sorted(tuple(int(r) for r in g) for g in hdp_groups):
-        created = dist.new_group(list(ranks))
+        created = dist.new_group(list(ranks), timeout=timeout)
         if me in ranks:
             if mine is not None:
                 raise ValueError(f"global rank {me} is in more than one HDP group: {hdp_groups}")
