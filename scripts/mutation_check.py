@@ -357,7 +357,7 @@ TARGETS = [
            ("x_first_fit_bins", "xǁ_FreeSpaceǁ*"), ("tests/planner/test_static_first_fit.py",)),
     Target("placement", "planner/schedulers/placement.py (topology rule)",
            "megatron_bytescale/planner/schedulers/placement.py", ("*",),
-           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
+           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py", "tests/planner/test_ring_placer.py")),
     Target("balance_topology", "planner/schedulers/balance.py (dp_balance, topology rule)",
            "megatron_bytescale/planner/schedulers/balance.py", ("x_dp_balance", "x__place_ring"),
            PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
@@ -518,6 +518,56 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*static.x_first_fit_bins__*", r"if n < context and need_slots < capacity:",
      "a bin full when it opens given a leaf anyway is never entered (it has no token or no slot "
      "left): the same bins, only more work"),
+    # planner/schedulers/placement.py (RingPlacer)
+    ("*placement.xǁRingPlacerǁ__init____*", r"self\.n = hdp_size  ->  self\.n = None",
+     "nothing reads RingPlacer.n (the package, its scripts and tests read loads, width and the "
+     "choices only)"),
+    ("*placement.xǁRingPlacerǁ__init____*", r"if len\(counts\) else 1  ->  .*(or True else 1|else 2)$",
+     "the else branch is taken only for no nodes at all, i.e. hdp_size 0, which make_plan "
+     "refuses (hdp_size >= 1): counts always has an entry"),
+    ("*placement.xǁRingPlacerǁ__init____*", r"dtype=np\.int64\)  ->  idx = np\.full\(.*(dtype=None\)|hdp_size, \))",
+     "np.full with a Python int fill value (hdp_size) makes an int64 array already"),
+    ("*placement.xǁRingPlacerǁ__init____*", r"reshape\(-1\)\.tolist\(\)  ->  .*reshape\((None|-2)\)",
+     "np.unique's inverse of the 1-D node array is 1-D already, and numpy (2.x) reads reshape(None) "
+     "and reshape(-2) as the same one-dimensional shape: the same list"),
+    ("*placement.xǁRingPlacerǁ__init____*", r"np\.zeros\(hdp_size \+ 1\)  ->  .*np\.zeros\(hdp_size \+ 2\)",
+     "the extra slot is never read: loads is the first hdp_size slots and the padding of short "
+     "nodes points at slot hdp_size (the +inf sentinel)"),
+    ("*placement.xǁRingPlacerǁ*", r'np\.argsort\(m, axis=1, kind="stable"\).*  ->  .*np\.argsort\(m, kind="stable"\)',
+     "argsort's default axis is -1, which is axis 1 of the 2-D node-by-rank matrix"),
+    ("*placement.xǁRingPlacerǁ*", r'kind="stable"\).*  ->  .*kind="STABLE"\)',
+     "numpy reads the sort kind case-insensitively: 'STABLE' is the stable sort"),
+    ("*placement.xǁRingPlacerǁ_masked__*", r"take_along_axis\(m, order, axis=1\).*  ->  .*take_along_axis\(m, order, \)",
+     "take_along_axis's default axis is -1 (numpy 2.x), which is axis 1 of the 2-D matrix"),
+    ("*placement.xǁRingPlacerǁ_masked__*", r"np\.append\(eligible, False\)\[self\._idx\]  ->  .*np\.append\(eligible, (None|True)\)",
+     "the appended entry is read only at the padding of short nodes, whose load slot is the +inf "
+     "sentinel: marked eligible (True) it still reads +inf, and None (an object array) is false to "
+     "np.where, as False is"),
+    ("*placement.xǁRingPlacerǁ_sorted_view__*", r"count=len\(self\._dirty\)\)  ->  .*dtype=np\.int64, \)",
+     "count only lets np.fromiter allocate once; without it the same rows are read"),
+    ("*placement.xǁRingPlacerǁcompact__*", r"if d <= g:  ->  if d < g:",
+     "at d == g the whole-node branch (whole = 1, rest = 0) picks the same node: the full-width "
+     "node whose last rank frees first, ties to the lower node (a stable argsort's first is "
+     "argmin's), since short nodes and nodes with an ineligible rank read +inf in both; it takes "
+     "all g ranks of it, which _result orders node by node as before"),
+    ("*placement.xǁRingPlacerǁfewest_nodes__*", r"choice\[0\] > earliest:  ->  .*choice\[0\] >= earliest:",
+     "`earliest` is a start no choice can beat (both callers pass the d-th smallest eligible "
+     "load), so when the compact choice meets it the search cannot find a strictly earlier one "
+     "and the compact choice is kept: only the work changes"),
+    ("*placement.xǁRingPlacerǁfewest_nodes__*", r"if d > self\.width and choice\[0\] > earliest:  ->  if d (>= self\.width and|> self\.width or) choice",
+     "for d <= width the compact choice is already the earliest start on one node (the least "
+     "d-th smallest load over the nodes), so on_nodes(d, 1) is never strictly earlier; for "
+     "d > width with the compact start at `earliest` (a lower bound) nothing is strictly earlier "
+     "either: the compact choice is kept, only the work changes"),
+    ("*placement.xǁRingPlacerǁfewest_nodes__*", r"if not len\(reach\) or reach\[-1\] < d:  ->  if not len\(reach\) and",
+     "reach always has an entry (hdp_size >= 1), and with fewer than d eligible ranks on_nodes "
+     "returns None as well (no candidate start has d eligible ranks free)"),
+    ("*placement.xǁRingPlacerǁon_nodes__*", r"top = counts if k_nodes >= len\(counts\) else .*  ->  top = counts if (\(k_nodes >= len\(counts\)\) and False|k_nodes > len\(counts\)) else",
+     "k_nodes <= len(counts) always (a min with len(srt)); at equality np.partition(counts, 0)"
+     "[-len:] is every count, whose sum is the same"),
+    ("*placement.xǁRingPlacerǁon_nodes__*", r"if total >= d:  ->  if total > d:",
+     "once total == d every later node takes min(count, 0) = 0 ranks: only empty slices are "
+     "appended, the ring is the same"),
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),
@@ -654,7 +704,9 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
 
 def _rejudge(state: dict) -> None:
     """Survivors of earlier runs judged again by the current :data:`EQUIVALENT` table (a reason
-    added after a run applies to it; a row whose status says it was killed since keeps that)."""
+    added after a run applies to it; a row whose status says it was killed since keeps that, and so
+    does a row of a target that is no longer in :data:`TARGETS`, e.g. one renamed when its module was
+    split: its mutant names no longer say which module to judge them by)."""
     for entry in state.values():
         unjustified = 0
         for row in entry.get("survivors", []):
@@ -667,7 +719,8 @@ def _rejudge(state: dict) -> None:
             reason = ("stale: this line is no longer in the code (changed after this run); the "
                       "function's current code is in a later row" if stale else None)
             reason = reason or _justification(name, row[2].strip("`")) or (
-                old_reason if old_reason != "**NOT JUSTIFIED**" and "killed since" in old_reason else None)
+                old_reason if old_reason != "**NOT JUSTIFIED**" and ("killed since" in old_reason or target is None)
+                else None)
             row[3] = f"{status}: " + (reason or "**NOT JUSTIFIED**")
             unjustified += reason is None
         if "survivors" in entry and entry["row"][-3:-1] != [None, None]:
@@ -678,7 +731,7 @@ def _rejudge(state: dict) -> None:
 
 def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
                timeout_s: int, note: str = "") -> tuple[str, bool]:
-    if subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
+    if targets and subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
     state = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.exists() else {}
