@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_bytescale.runtime import ActivationOffloader
-from megatron_bytescale.runtime.offload_streams import HostEvent, HostStream, HostStreamOps
+from megatron_bytescale.runtime.offload_streams import HostEvent, HostStreamOps
+from offload_cases import LoggedStream, TokenLayer
 
 T, H, L = 64, 32, 6
 # per layer: LayerNorm saves x [T,1,H], mean and rstd [T,1,1]; linear a its input [T,1,H];
@@ -21,20 +22,9 @@ LAYER_SAVED_BYTES = T * (10 * H + 2) * 4
 LOSS_SAVED_BYTES = T * H * 4  # (h * h).sum() saves h twice: one tensor
 
 
-class Layer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(H)
-        self.a = torch.nn.Linear(H, 4 * H)
-        self.b = torch.nn.Linear(4 * H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.nn.functional.gelu(self.a(self.norm(x))))
-
-
 def make_layers(n: int = L) -> torch.nn.ModuleList:
     torch.manual_seed(0)
-    return torch.nn.ModuleList(Layer() for _ in range(n))
+    return torch.nn.ModuleList(TokenLayer(H) for _ in range(n))
 
 
 def run_step(layers, x0, offloader, ratios, *, interleave=False):
@@ -225,28 +215,16 @@ class RecordingEvent(HostEvent):
         self.done = True
 
 
-class RecordingStream(HostStream):
-    def __init__(self, log, name) -> None:
-        super().__init__(name)
-        self.log = log
-
-    def wait_stream(self, other) -> None:
-        self.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event) -> None:
-        self.log.append(("wait_event", self.name, event.name))
-
-
 class RecordingOps(HostStreamOps):
     def __init__(self) -> None:
         super().__init__()
         self.log: list[tuple] = []
         self.events: list[RecordingEvent] = []
-        self._compute = RecordingStream(self.log, "compute")
+        self._compute = LoggedStream(self.log, "compute")
 
     def new_stream(self):
         self._count += 1
-        return RecordingStream(self.log, ["d2h", "h2d"][self._count - 1])
+        return LoggedStream(self.log, ["d2h", "h2d"][self._count - 1])
 
     def new_event(self, *, timing: bool = False):
         event = RecordingEvent(self.log, f"e{len(self.events)}")

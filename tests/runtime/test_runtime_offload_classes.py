@@ -20,22 +20,9 @@ import torch
 
 from megatron_bytescale.runtime import ActivationOffloader
 from megatron_bytescale.runtime.offload_streams import HostEvent, HostStream, HostStreamOps
+from offload_cases import TokenLayer
 
 H, L = 16, 6  # the last 2 layers stay resident: layers 0..3 offload
-
-
-class Layer(torch.nn.Module):
-    """Saves, per token row: LayerNorm's input, mean and rstd; the input of ``a`` (H), of gelu
-    and of ``b`` (4H each): ``10 H + 2`` floats per row, every tensor with a token dimension."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(H)
-        self.a = torch.nn.Linear(H, 4 * H)
-        self.b = torch.nn.Linear(4 * H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.nn.functional.gelu(self.a(self.norm(x))))
 
 
 ROW_BYTES = (10 * H + 2) * 4
@@ -43,7 +30,7 @@ ROW_BYTES = (10 * H + 2) * 4
 
 def make_layers(n: int = L) -> torch.nn.ModuleList:
     torch.manual_seed(0)
-    return torch.nn.ModuleList(Layer() for _ in range(n))
+    return torch.nn.ModuleList(TokenLayer(H) for _ in range(n))
 
 
 def rows_offloaded(ratio: float, rows: int) -> int:

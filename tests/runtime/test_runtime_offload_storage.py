@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megatron_bytescale.runtime import ActivationOffloader
-from megatron_bytescale.runtime.offload_streams import HostEvent, HostStream, HostStreamOps
+from megatron_bytescale.runtime.offload_streams import HostEvent, HostStreamOps
+from offload_cases import LoggedStream
 
 T, H, HEADS, L = 64, 32, 4, 4  # 4 layers, the last 2 resident: layers 0 and 1 offloadable
 
@@ -191,12 +192,12 @@ class Recorder(HostStreamOps):
     def __init__(self) -> None:
         super().__init__()
         self.log: list[tuple] = []
-        self._compute = _LoggedStream(self.log, "compute")
+        self._compute = LoggedStream(self.log, "compute")
         self._names = iter(("d2h", "h2d"))
         self.events = 0
 
     def new_stream(self):
-        return _LoggedStream(self.log, next(self._names))
+        return LoggedStream(self.log, next(self._names))
 
     def new_event(self, *, timing: bool = False):
         self.events += 1
@@ -204,18 +205,6 @@ class Recorder(HostStreamOps):
 
     def record_stream(self, tensor, stream) -> None:
         self.log.append(("record_stream", stream.name, tensor.untyped_storage().data_ptr()))
-
-
-class _LoggedStream(HostStream):
-    def __init__(self, log, name) -> None:
-        super().__init__(name)
-        self.log = log
-
-    def wait_stream(self, other) -> None:
-        self.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event) -> None:
-        self.log.append(("wait_event", self.name, event.name))
 
 
 class _LoggedEvent(HostEvent):
