@@ -10,6 +10,7 @@
 #   bash scripts/test.sh ARGS...    lane 1 only, ARGS to pytest (e.g. tests/planner -x)
 #   BYTESCALE_LANE=0.19 bash scripts/test.sh [ARGS...]   lane 2 only (default: -m megatron)
 #
+# Each lane ends with its 25 slowest tests (--durations), to keep CI's time in view.
 # Python 3.12 is $PYTHON312, else python3.12 on PATH, else pyenv's newest 3.12.x. Without one,
 # lane 2 is skipped with a message, or fails where BYTESCALE_REQUIRE_MEGATRON_LM=1 (CI).
 # When $PYTHON is itself 3.12+, lane 1 already runs everything on 0.19.x and lane 2 is skipped.
@@ -32,7 +33,7 @@ find_python312() {  # the first candidate that really is a Python 3.12 (pyenv sh
 }
 
 lane1() {  # the whole suite (or ARGS) on $PYTHON
-  ( source scripts/setup_env.sh && python -m pytest -q "${@:-tests}" )
+  ( source scripts/setup_env.sh && python -m pytest -q --durations=25 "${@:-tests}" )
 }
 
 lane2() {  # the Megatron tests (or ARGS) on Python 3.12 / megatron-core 0.19.x
@@ -49,7 +50,7 @@ lane2() {  # the Megatron tests (or ARGS) on Python 3.12 / megatron-core 0.19.x
   ( export PYTHON="$py312" BYTESCALE_VENV="${BYTESCALE_VENV312:-$PWD/.venv312}"
     source scripts/setup_env.sh
     if [[ $# -eq 0 ]]; then set -- -m megatron tests; fi
-    python -m pytest -q "$@" )
+    python -m pytest -q --durations=25 "$@" )
 }
 
 if [[ "${BYTESCALE_LANE:-}" == "0.19" ]]; then
