@@ -147,3 +147,28 @@ def test_cli_ep_size(capsys):
     assert "must divide --hdp-size (12)" in capsys.readouterr().err
     assert main(["--global-tokens", "300000", "--hdp-size", "16", "--quiet", "--ep-size", "2"]) == 2
     assert "llama-7b is dense" in capsys.readouterr().err
+
+
+def test_expert_gradients_reduce_over_the_expert_data_parallel_group_by_hand():
+    from megatron_bytescale.sim.overheads import StepOverheads, params_per_rank, parameter_count, preset_overheads
+
+    cm = bare(p2p_bandwidth_inter=1e9, p2p_latency_s=0.0)
+    o = StepOverheads(params_per_rank=1000.0, expert_params_per_rank=600.0, expert_parallel_size=4,
+                      optimizer_s_per_param=1.0)
+    # ZeRO-1 (4-byte grads + 2-byte params): dense 400 over 16 ranks, experts 600 over 16 / 4 = 4 ranks
+    assert o.grad_reduce_s(16, cm, one_node=False) == pytest.approx(
+        (15 / 16 * 400 * 6 + 3 / 4 * 600 * 6) / 1e9)
+    assert o.optimizer_s(16) == pytest.approx(400 / 16 + 600 / 4)
+    flat = StepOverheads(params_per_rank=1000.0, optimizer_s_per_param=1.0)
+    assert flat.grad_reduce_s(16, cm, one_node=False) == pytest.approx(15 / 16 * 1000 * 6 / 1e9)
+    with pytest.raises(ValueError, match="expert_params_per_rank"):
+        StepOverheads(params_per_rank=1.0, expert_params_per_rank=2.0)
+    spec = moe(tensor_parallel_size=2, expert_parallel_size=4)
+    counts = parameter_count(spec)
+    assert counts["experts_per_layer"] == 8 * 3 * 1024 * 2048
+    dense_layer = counts["per_layer"] - counts["experts_per_layer"]
+    assert params_per_rank(spec, tensor_parallel_size=2, pp_size=2) == pytest.approx(
+        ((dense_layer + 2 * 3 * 1024 * 2048) * 2 + 1000 * 1024) / 2)  # 2 of the 8 experts per rank
+    po = preset_overheads(spec, tensor_parallel_size=2, pp_size=2)
+    assert (po.expert_params_per_rank, po.expert_parallel_size) == (2 * 3 * 1024 * 2048 * 2 / 2, 4)
+    assert preset_overheads(moe(), tensor_parallel_size=1, pp_size=1).expert_params_per_rank == 0.0
