@@ -44,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 #: Per routed token copy per layer, bytes the dispatcher's permute and unpermute read and write
 #: in units of ``h * dtype``: permute reads and writes the copy (2), unpermute reads it and
 #: writes the combined token (2), and backward does both again (x 2).
@@ -113,3 +115,42 @@ def moe_dispatch(model: Any, hardware: Any, *, expert_parallel_size: int | None 
         seconds=collectives * hardware.p2p_latency_s,
         permute_s_per_token=permute / hardware.memory_bandwidth,
     )
+
+
+@dataclass(frozen=True)
+class DispatchFit:
+    """The dispatch terms fitted to measured all-to-alls (``bytescale profile --num-experts``)."""
+
+    seconds_per_token: float
+    """``moe_dispatch_s_per_token``: 4 x the fitted seconds per token of one all-to-all."""
+    seconds: float
+    """``moe_dispatch_s``: 4 x the fitted constant of one all-to-all."""
+    samples: tuple[tuple[int, float], ...]
+    """(tokens per rank, seconds of one all-to-all) as measured."""
+    predicted: tuple[float, ...]
+
+
+def fit_moe_dispatch(samples: Any) -> DispatchFit:
+    """Fit ``seconds = a * tokens + b`` (both >= 0) to timed all-to-alls of one rank's routed
+    tokens, and scale to the layer's four (dispatch and combine, forward and backward).
+
+    ``samples``: ``(tokens per rank, seconds of one all-to-all)``, at least 2 distinct token
+    counts. The same non-negative least squares as every other fit of the cost model.
+    """
+    from .least_squares import nonnegative_lstsq, samples_array
+
+    arr = samples_array(samples, "MoE all-to-all samples (tokens, seconds)")
+    if len(np.unique(arr[:, 0])) < 2:
+        raise ValueError(f"the MoE all-to-all fit needs at least 2 distinct token counts, got "
+                         f"{len(arr)} samples at {len(np.unique(arr[:, 0]))}; measure more token counts")
+    a, b = nonnegative_lstsq(np.stack([arr[:, 0], np.ones(len(arr))], axis=1), arr[:, 1])
+    return DispatchFit(seconds_per_token=COLLECTIVES_PER_LAYER * a, seconds=COLLECTIVES_PER_LAYER * b,
+                       samples=tuple((int(n), float(t)) for n, t in arr),
+                       predicted=tuple(float(a * n + b) for n in arr[:, 0]))
+
+
+def a2a_bytes_per_token(*, hidden_size: int, topk: int, element_size: int, expert_parallel_size: int,
+                        tensor_parallel_size: int = 1) -> float:
+    """``moe_a2a_bytes_per_token``: ``4 k h dtype (E - 1) / (E T)`` (the module docstring)."""
+    e = expert_parallel_size
+    return COLLECTIVES_PER_LAYER * topk * hidden_size * element_size * (e - 1) / e / tensor_parallel_size
