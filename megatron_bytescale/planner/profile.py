@@ -278,6 +278,14 @@ def fit_warnings(cost_model: CostModel, samples: ProfileSamples, time_fit: FitQu
         longest = max(n for n, _ in samples.time_samples)
         out.append(f"the attention (s^2) term fitted to 0: up to {longest} tokens it is not "
                    "visible; measure longer sequences (--max-length) so long rings are costed right")
+    if samples.moe_dispatch_samples:
+        fit = fit_moe_dispatch(samples.moe_dispatch_samples)
+        bad = [(n, (t - p) / t) for (n, t), p in zip(fit.samples, fit.predicted)
+               if t and abs(t - p) / t > MAX_RELATIVE_RESIDUAL]
+        if bad:
+            listed = ", ".join(f"{n} tokens {100 * r:+.0f}%" for n, r in bad)
+            out.append(f"MoE all-to-all: timings off the fit by more than {100 * MAX_RELATIVE_RESIDUAL:.0f}%: "
+                       f"{listed}; the machine may be busy (measure again with more --repeats)")
     if samples.hdp_size < 2:
         out.append("one rank: the P2P link and the ring step overhead were not measured (run "
                    "with --nproc-per-node >= 2)")
