@@ -8,7 +8,9 @@ both for **one layer on one HDP rank** (one TP group, so the TP split is already
 
 plus the transfer rates that Eq. 3 and the rings need: host<->device bandwidth (D2H, H2D),
 ring P2P bandwidth (intra-node, inter-node) and latency, and the K+V bytes per token per layer
-per TP rank that a ring rotates (GQA-aware).
+per TP rank that a ring rotates (GQA-aware). MoE models add the token dispatch (the expert
+all-to-all and the dispatcher's TP collectives, exposed, linear in a member's tokens:
+``moe_dispatch_s_per_token``, ``moe_dispatch_s``; :mod:`.moe_cost`), 0 for dense models.
 
 A :class:`CostModel` is built three ways:
 
