@@ -19,7 +19,10 @@ hardware, so its parameters are fitted to the paper's own case-study and Fig. 18
 preset for comparison. No simulated step contains planning time measured on this machine.
 Raw results go to ``out/reproduce/results.json``.
 
-Usage: ``.venv/bin/python scripts/reproduce_paper.py [--only case_study,ablation,...] [--no-write]``
+Usage: ``.venv/bin/python scripts/reproduce_paper.py [--only case_study,ablation,...] [--no-write]
+[--models mistral-8x7b,mistral-8x22b]`` (``--models``: Fig. 17 and the doubling table for those
+models only; printed, never written over the full sections, raw results to
+``out/reproduce/results-subset.json``).
 """
 
 from __future__ import annotations
@@ -257,22 +260,25 @@ def _sums(cm, length: int, d: int) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- Fig. 17
-def fig17_summaries() -> dict[tuple[str, str], list]:
+def fig17_summaries(models: list[str] | None = None, variants: tuple[str, ...] = FIG17_VARIANTS,
+                    **setup_changes: Any) -> dict[tuple[str, str], list]:
+    """Fig. 17's sweeps: every model (or ``models``), both datasets; ``setup_changes`` go to
+    :func:`megatron_bytescale.sim.paper.paper_setup` (e.g. ``expert_parallel_size``)."""
     out = {}
-    for model in paper.FIG17_GPUS:
-        setup = paper.paper_setup(model)  # no planning time: the paper does not give its planner's
+    for model in models or list(paper.FIG17_GPUS):
+        setup = paper.paper_setup(model, **setup_changes)  # no planning time: the paper does not give its planner's
         contexts = [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]
         for dataset in ("github", "byted"):
             progress(f"Fig. 17: {model} on {setup.num_gpus:,} GPUs, {dataset}")
             points = run_sweep(
                 lambda ctx, step, ds=dataset: synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=step, max_length=ctx),
-                contexts=contexts, steps=1, variants=parse_variants(",".join(FIG17_VARIANTS)), setup=setup,
+                contexts=contexts, steps=1, variants=parse_variants(",".join(variants)), setup=setup,
             )
             out[(model, dataset)] = summarize(points)
     return out
 
 
-def fig17_section(data: dict) -> str:
+def fig17_section(data: dict, *, plot: bool = True) -> str:
     rows = []
     for (model, dataset), summaries in data.items():
         by = {(s.context_length, s.variant.name): s for s in summaries}
@@ -290,6 +296,8 @@ def fig17_section(data: dict) -> str:
         for dataset in ("github", "byted"):
             vals = []
             for model in models:
+                if (model, dataset) not in data:  # a --models subset
+                    continue
                 summaries = data[(model, dataset)]
                 top = max(s.context_length for s in summaries)
                 by = {s.variant.name: s for s in summaries if s.context_length == top}
@@ -298,8 +306,10 @@ def fig17_section(data: dict) -> str:
             theirs = f"{lo:.2f}-{hi:.2f}x" if lo else f"up to {hi:.2f}x (any model)"
             ours = ", ".join(f"{m} {v:.2f}x" + ("" if t == 2 * paper.M else f" (at {format_tokens(t)})")
                              for m, t, v in vals)
-            speed_rows.append([group, dataset, theirs, ours])
-    plot_fig17(data)
+            if vals:
+                speed_rows.append([group, dataset, theirs, ours])
+    if plot:
+        plot_fig17(data)
     return "\n".join([
         "### Fig. 17: throughput against context length, six models at the paper's GPU counts",
         "",
@@ -417,11 +427,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing them")
+    ap.add_argument("--models", default=None,
+                    help="Fig. 17 / doubling for these comma-separated models only (e.g. mistral-8x7b,"
+                         "mistral-8x22b); printed instead of written, since the sections cover all six")
     args = ap.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    models = None
+    if args.models is not None:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        bad = sorted(set(models) - set(paper.FIG17_GPUS))
+        if bad or not models:
+            ap.error(f"--models {args.models!r}: choose from {', '.join(paper.FIG17_GPUS)}")
+        if set(only) - {"fig17", "doubling"}:
+            ap.error("--models selects Fig. 17's models; use it with --only fig17 (or fig17,doubling)")
+        args.no_write = True
     start = time.perf_counter()
     sections: dict[str, str] = {}
     raw: dict[str, Any] = {}
@@ -441,16 +463,16 @@ def main() -> int:
         progress("offload sweep ...")
         sections["offload"] = offload_section()
     if {"fig17", "doubling"} & set(only):
-        data = fig17_summaries()
+        data = fig17_summaries(models)
         raw["fig17"] = {f"{m}/{d}": [s.to_dict() for s in ss] for (m, d), ss in data.items()}
         if "fig17" in only:
-            sections["fig17"] = fig17_section(data)
+            sections["fig17"] = fig17_section(data, plot=models is None)
         if "doubling" in only:
             sections["doubling"] = doubling_section(data)
     stamp = (f"\n\n_Generated by `scripts/reproduce_paper.py` in {time.perf_counter() - start:.0f} s. "
              f"{machine_line()} Load average {os.getloadavg()[0]:.1f}._")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(raw, indent=1, default=float) + "\n", encoding="utf-8")
+    (OUT / ("results.json" if models is None else "results-subset.json")).write_text(json.dumps(raw, indent=1, default=float) + "\n", encoding="utf-8")
     for name, body in sections.items():
         if args.no_write:
             print(body + "\n")

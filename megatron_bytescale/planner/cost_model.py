@@ -8,7 +8,9 @@ both for **one layer on one HDP rank** (one TP group, so the TP split is already
 
 plus the transfer rates that Eq. 3 and the rings need: host<->device bandwidth (D2H, H2D),
 ring P2P bandwidth (intra-node, inter-node) and latency, and the K+V bytes per token per layer
-per TP rank that a ring rotates (GQA-aware).
+per TP rank that a ring rotates (GQA-aware). MoE models add the token dispatch (the expert
+all-to-all and the dispatcher's TP collectives, exposed, linear in a member's tokens:
+``moe_dispatch_s_per_token``, ``moe_dispatch_s``; :mod:`.moe_cost`), 0 for dense models.
 
 A :class:`CostModel` is built three ways:
 
@@ -62,6 +64,7 @@ _FLOAT_FIELDS = (
     "kv_bytes_per_token", "p2p_bandwidth_intra", "p2p_bandwidth_inter", "p2p_latency_s",
     "attention_forward_fraction", "forward_fraction", "ring_step_overhead_s", "q_bytes_per_token",
     "per_document_s", "ring_straggler_s", "ring_straggler_link_ratio",
+    "moe_dispatch_s_per_token", "moe_dispatch_s", "moe_a2a_bytes_per_token", "moe_tp_bytes_per_token",
 )
 
 
@@ -132,10 +135,25 @@ class CostModel:
     bytes a member sends per step, so rings of small messages (TP 8, inside a node) wait less.
     0 in the analytic presets; the ``paper-fit`` preset fits it to the case study
     (docs/reproduction.md, section 2; :mod:`.ring_time`)."""
+    expert_parallel_size: int = 1
+    """Expert-parallel size E the MoE terms below were built for (1: no all-to-all). Expert
+    groups are E consecutive HDP ranks; the planner's EP constraint takes its size from the run."""
+    moe_dispatch_s_per_token: float = 0.0
+    """MoE token dispatch, seconds per token of a member's share per layer (forward and backward
+    together) that no compute hides: the all-to-alls over the EP group and, with TP > 1, the
+    dispatcher's all-gathers / reduce-scatters over TP (:mod:`.moe_cost`). 0 for dense models."""
+    moe_dispatch_s: float = 0.0
+    """MoE token dispatch, seconds per layer per micro-batch (the collectives' latency)."""
+    moe_a2a_bytes_per_token: float = 0.0
+    """Bytes one rank sends in the EP all-to-alls per token of its share per layer (forward and
+    backward): ``4 k h dtype (E - 1) / (E T)``; reported, the time is in the two terms above."""
+    moe_tp_bytes_per_token: float = 0.0
+    """Bytes one rank sends in the dispatcher's TP collectives per token of its share per layer:
+    ``4 k h dtype (T - 1) / T``."""
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "ranks_per_node"):
+        for name in ("num_layers", "ranks_per_node", "expert_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
@@ -185,6 +203,10 @@ class CostModel:
             ("ring_straggler_link_ratio", self.ring_straggler_link_ratio * 5.0 * kv * s
              / min(self.p2p_bandwidth_intra, self.p2p_bandwidth_inter)),
             ("per_document_s", self.per_document_s * s),
+            ("moe_dispatch_s_per_token", self.moe_dispatch_s_per_token * s),
+            ("moe_dispatch_s", self.moe_dispatch_s),
+            ("moe_a2a_bytes_per_token", self.moe_a2a_bytes_per_token * s),
+            ("moe_tp_bytes_per_token", self.moe_tp_bytes_per_token * s),
         )
         for name, value in terms:
             if not math.isfinite(value * headroom):
@@ -420,6 +442,14 @@ class CostModel:
         total = int(self.padded_lengths(lengths, ring_size, align).sum())
         return int(round(layers * (ring_size - 1) * self.ring_bytes_per_token * total))
 
+    def moe_a2a_bytes(self, lengths: Sequence[int] | np.ndarray, ring_size: int, *, layers: int,
+                      align: int = 1) -> int:
+        """Bytes all members of a ring send in the MoE all-to-alls for one micro-batch over
+        ``layers`` layers (one TP rank each): ``layers * moe_a2a_bytes_per_token * sum_j P_j``
+        (every member dispatches its own share; 0 for dense models and EP 1)."""
+        total = float(self.padded_lengths(lengths, ring_size, align).sum())
+        return int(round(layers * self.moe_a2a_bytes_per_token * total))
+
     @property
     def dkv_bytes(self) -> float:
         """dK + dV bytes per token per layer (``dkv_bytes_per_token`` or K + V's)."""
@@ -449,7 +479,7 @@ def _check_field_types(data: Mapping[str, Any]) -> None:
     for name in ("name", "source"):
         if name in data and not isinstance(data[name], str):
             raise ValueError(f"cost model field {name!r} ({data[name]!r:.60}) must be a string")
-    for name in ("num_layers", "ranks_per_node"):  # types and >= 1: __post_init__
+    for name in ("num_layers", "ranks_per_node", "expert_parallel_size"):  # types and >= 1: __post_init__
         value = data.get(name)
         if isinstance(value, int) and value > 2**31 - 1:
             bounded_int(value, name, low=1, high=2**31 - 1)

@@ -22,8 +22,10 @@ the products (q_dim = hidden, kv_dim = groups * hidden / heads). TP and PP are n
 beyond "HDP + TP" for 7B-30B and "HDP + TP + PP" for 70B and the MoE models (§8.2); the 7B
 case study has d_cp = 256 among 1,024 GPUs, so TP = 1 there. Our TP/PP choices keep the weights,
 ZeRO-1 states and 8K tokens of activations of one rank under 80 GB; change them with
-:func:`model_spec` keyword arguments. Expert parallelism is not modelled (experts count as
-top-k dense FFNs on the rank).
+:func:`model_spec` keyword arguments. MoE layers cost the router and top-k experts per token
+(the expert FLOPs a rank runs on average under any expert parallelism), plus the token
+dispatch of :mod:`.moe_cost`: the dispatcher's copies, its TP collectives and, with
+``expert_parallel_size`` E > 1 (EP groups of E consecutive HDP ranks), its all-to-alls.
 
 H100-class GPU (:data:`H100`), every constant with its source:
 
@@ -40,6 +42,7 @@ H100-class GPU (:data:`H100`), every constant with its source:
 * latency 10 us: NCCL P2P small-message latency across InfiniBand (intra-node is lower; one
   value keeps the model simple and errs on the slow side).
 * 8 GPUs per node (HGX H100).
+* memory 3.35 TB/s: H100 SXM5 HBM3 datasheet (the MoE dispatcher's permute copies).
 
 Fig. 6(a) sanity check (:func:`fig6a_comparison`): the paper's per-layer attention and MLP times
 for 4K-128K are consistent with LLaMA-7B at TP = 8 on this GPU (hardware not stated in the
@@ -77,6 +80,9 @@ class ModelSpec:
     num_experts: int = 1
     """1 for a dense model."""
     moe_router_topk: int = 1
+    expert_parallel_size: int = 1
+    """EP size E (Megatron's ``--expert-model-parallel-size``): experts split over E consecutive
+    HDP ranks, tokens dispatched by all-to-all (:mod:`.moe_cost`); 1: every expert on every rank."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     """Default PP degree for this model (the planner's ``pp_size`` overrides it)."""
@@ -86,7 +92,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "vocab_size", "num_experts", "moe_router_topk",
-                     "tensor_parallel_size", "pipeline_parallel_size", "dtype_bytes"):
+                     "expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "dtype_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
@@ -103,6 +109,12 @@ class ModelSpec:
             raise ValueError(
                 f"model {self.name!r}: moe_router_topk ({self.moe_router_topk}) must be <= "
                 f"num_experts ({self.num_experts})"
+            )
+        if self.num_experts % self.expert_parallel_size:
+            divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(
+                f"model {self.name!r}: expert_parallel_size ({self.expert_parallel_size}) must divide "
+                f"num_experts ({self.num_experts}); choose one of {divisors}"
             )
 
     @property
@@ -142,6 +154,8 @@ class HardwareSpec:
     p2p_latency_s: float
     gpus_per_node: int
     source: str = ""
+    memory_bandwidth: float = 3.35e12
+    """Bytes/s of device memory (H100 SXM5 HBM3): the MoE dispatcher's memory-bound copies."""
     ring_straggler_s: float = 0.0
     """Per ring step per layer, the wait for a ring's slowest member per unit of sqrt(2 ln D)
     (:attr:`CostModel.ring_straggler_s`); 0 for a datasheet GPU."""
@@ -151,7 +165,7 @@ class HardwareSpec:
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "d2h_bandwidth", "h2d_bandwidth", "p2p_bandwidth_intra",
-                     "p2p_bandwidth_inter"):
+                     "p2p_bandwidth_inter", "memory_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} ({getattr(self, name)!r}) must be > 0")
         for name in ("gemm_efficiency", "attention_efficiency"):
@@ -211,14 +225,19 @@ def analytic_cost_model(model: ModelSpec, hardware: HardwareSpec, *, name: str |
     """The analytic cost model of ``model`` on ``hardware`` (TP split applied, SP assumed).
 
     FLOPs: :func:`layer_flops_per_token` times 3 (GEMM fwd+bwd) or 3.5 (flash attention
-    fwd+bwd), divided by TP and by the achieved rate ``peak * efficiency``. Activations:
+    fwd+bwd), divided by TP and by the achieved rate ``peak * efficiency``; for MoE models plus
+    the dispatcher's permute copies (in ``beta1``) and its exposed communication
+    (``moe_dispatch_s_per_token``, ``moe_dispatch_s``; :func:`.moe_cost.moe_dispatch`). Activations:
     :func:`activation_bytes_per_token` / TP, beta2 = 0 (no per-layer constant buffers are
     kept for backward). KV bytes: 2 (K and V) * KV heads on this TP rank (at least one: Megatron
     replicates KV heads when TP > groups) * head_dim * dtype bytes; dKV the same in fp32 (ring
     attention accumulates the travelling dK/dV in fp32).
     """
+    from .moe_cost import moe_dispatch
+
     tp = model.tensor_parallel_size
     flops = layer_flops_per_token(model)
+    moe = moe_dispatch(model, hardware)
     gemm_rate = hardware.peak_flops * hardware.gemm_efficiency
     attn_rate = hardware.peak_flops * hardware.attention_efficiency
     linear = flops["attention_linear"] + flops["mlp"] + flops["lm_head"]
@@ -228,7 +247,7 @@ def analytic_cost_model(model: ModelSpec, hardware: HardwareSpec, *, name: str |
         name=name or f"{model.name}@{hardware.name}",
         num_layers=model.num_layers,
         alpha1=ATTENTION_FWD_BWD_FACTOR * flops["attention_quadratic"] / tp / attn_rate,
-        beta1=GEMM_FWD_BWD_FACTOR * linear / tp / gemm_rate,
+        beta1=GEMM_FWD_BWD_FACTOR * linear / tp / gemm_rate + moe.permute_s_per_token,
         gamma=hardware.layer_overhead_s,
         alpha2=activation_bytes_per_token(model) / tp,
         beta2=0.0,
@@ -245,6 +264,11 @@ def analytic_cost_model(model: ModelSpec, hardware: HardwareSpec, *, name: str |
         ranks_per_node=max(1, hardware.gpus_per_node // tp),
         attention_forward_fraction=1.0 / ATTENTION_FWD_BWD_FACTOR,
         forward_fraction=1.0 / GEMM_FWD_BWD_FACTOR,
+        expert_parallel_size=model.expert_parallel_size,
+        moe_dispatch_s_per_token=moe.seconds_per_token,
+        moe_dispatch_s=moe.seconds,
+        moe_a2a_bytes_per_token=moe.a2a_bytes_per_token,
+        moe_tp_bytes_per_token=moe.tp_bytes_per_token,
         source=f"analytic: {model.source or model.name}; {hardware.source or hardware.name}",
     )
 
@@ -368,16 +392,22 @@ def preset_cost_model(
     hardware: str = "h100",
     *,
     tensor_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
 ) -> CostModel:
     """The analytic :class:`CostModel` of a named model on a named GPU.
 
-    ``tensor_parallel_size`` overrides the preset's TP (PP is a planner argument, not part of
-    the per-layer cost).
+    ``tensor_parallel_size`` and ``expert_parallel_size`` override the preset's TP and EP (PP
+    is a planner argument, not part of the per-layer cost). The name gains ``-ep{E}`` for E > 1.
     """
-    overrides = {} if tensor_parallel_size is None else {"tensor_parallel_size": tensor_parallel_size}
+    overrides: dict[str, Any] = {}
+    if tensor_parallel_size is not None:
+        overrides["tensor_parallel_size"] = tensor_parallel_size
+    if expert_parallel_size is not None:
+        overrides["expert_parallel_size"] = expert_parallel_size
     spec = model_spec(model, **overrides)
     hw = hardware_spec(hardware)
-    return CostModel.from_specs(spec, hw, name=f"{spec.name}-tp{spec.tensor_parallel_size}@{hw.name}")
+    ep = f"-ep{spec.expert_parallel_size}" if spec.expert_parallel_size > 1 else ""
+    return CostModel.from_specs(spec, hw, name=f"{spec.name}-tp{spec.tensor_parallel_size}{ep}@{hw.name}")
 
 
 def fig6a_comparison(

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from .cost_model import CostModel
+from .moe_cost import fit_moe_dispatch
 
 MIN_R2 = 0.98
 """A fit with a lower R^2 (time or activations) gets a warning."""
@@ -57,6 +58,13 @@ class ProfileSamples:
     with the ring step overhead by :func:`fit_ring_terms`."""
     ring_fit: "RingTermsFit | None" = None
     """The micro-batches the two ring terms were fitted to, with residuals before and after."""
+    moe_dispatch_samples: tuple[tuple[int, float], ...] = ()
+    """MoE models with expert parallelism: (tokens per rank, seconds of one all-to-all of their
+    top-k copies over an expert group); empty for dense models and EP 1."""
+    expert_parallel_size: int = 1
+    """The expert-group size the all-to-alls were measured over."""
+    moe_a2a_bytes_per_token: float = 0.0
+    """Bytes one rank sends per token per layer in the four all-to-alls (forward + backward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +180,8 @@ class Profile:
                 "p2p_bandwidth": s.p2p_bandwidth, "p2p_latency_s": s.p2p_latency_s,
                 "ring_step_overhead_s": s.ring_step_overhead_s, "device": s.device_name,
                 "hdp_size": s.hdp_size, "per_document_s": s.per_document_s,
+                "moe_all_to_all": [list(x) for x in s.moe_dispatch_samples],
+                "expert_parallel_size": s.expert_parallel_size,
                 "ring_micro_batches": None if s.ring_fit is None else {
                     "samples": [list(x) for x in s.ring_fit.samples],
                     "predicted_before": list(s.ring_fit.predicted_before),
@@ -225,6 +235,11 @@ def fit_profile(samples: ProfileSamples, **cost_model_fields: Any) -> Profile:
     )
     if cost_model.per_document_s:  # a single-sequence timing held one document's cost in gamma
         cost_model = cost_model.with_(gamma=max(0.0, cost_model.gamma - samples.per_document_s))
+    if samples.moe_dispatch_samples:  # the all-to-all; the layer's other MoE costs are in T(s)
+        dispatch = fit_moe_dispatch(samples.moe_dispatch_samples)
+        cost_model = cost_model.with_(
+            expert_parallel_size=samples.expert_parallel_size, moe_dispatch_s_per_token=dispatch.seconds_per_token,
+            moe_dispatch_s=dispatch.seconds, moe_a2a_bytes_per_token=samples.moe_a2a_bytes_per_token)
     time_fit = fit_quality(samples.time_samples, lambda n: cost_model.layer_time(n) + cost_model.per_document_s)
     activation_fit = fit_quality(samples.activation_samples, cost_model.activation_bytes)
     return Profile(cost_model=cost_model, samples=samples, time_fit=time_fit,
@@ -263,6 +278,14 @@ def fit_warnings(cost_model: CostModel, samples: ProfileSamples, time_fit: FitQu
         longest = max(n for n, _ in samples.time_samples)
         out.append(f"the attention (s^2) term fitted to 0: up to {longest} tokens it is not "
                    "visible; measure longer sequences (--max-length) so long rings are costed right")
+    if samples.moe_dispatch_samples:
+        fit = fit_moe_dispatch(samples.moe_dispatch_samples)
+        bad = [(n, (t - p) / t) for (n, t), p in zip(fit.samples, fit.predicted)
+               if t and abs(t - p) / t > MAX_RELATIVE_RESIDUAL]
+        if bad:
+            listed = ", ".join(f"{n} tokens {100 * r:+.0f}%" for n, r in bad)
+            out.append(f"MoE all-to-all: timings off the fit by more than {100 * MAX_RELATIVE_RESIDUAL:.0f}%: "
+                       f"{listed}; the machine may be busy (measure again with more --repeats)")
     if samples.hdp_size < 2:
         out.append("one rank: the P2P link and the ring step overhead were not measured (run "
                    "with --nproc-per-node >= 2)")
@@ -293,6 +316,13 @@ def format_report(result: Profile) -> str:
                                                       rf.residuals("before"), rf.residuals("after")):
                 lines.append(f"  D={d:<3} {n:>3} doc(s) {tokens:>6} tok {m * 1e3:8.1f} ms {b * 1e3:8.1f} "
                              f"{100 * rb:+6.1f}% {a * 1e3:8.1f} {100 * ra:+6.1f}%")
+    if s.moe_dispatch_samples:
+        lines.append(f"  MoE all-to-all over {s.expert_parallel_size} ranks: "
+                     f"{cm.moe_dispatch_s_per_token * 1e6:.3f} us per token + {cm.moe_dispatch_s * 1e3:.3f} ms "
+                     f"per layer (4 per layer, fwd+bwd; {cm.moe_a2a_bytes_per_token:.0f} B/token sent)")
+        dispatch = fit_moe_dispatch(s.moe_dispatch_samples)
+        for (n, t), p in zip(dispatch.samples, dispatch.predicted):
+            lines.append(f"    {n:>6} tokens  {t * 1e3:8.3f} ms  fit {p * 1e3:8.3f} ms  {100 * (t - p) / t if t else 0:+5.1f}%")
     lines.append("  length    time/layer      fit    resid   act/layer        fit    resid")
     act = dict(s.activation_samples)
     t_res, a_res = dict(result.time_fit.residuals), dict(result.activation_fit.residuals)
@@ -308,6 +338,9 @@ def format_report(result: Profile) -> str:
 
 class SyntheticSource:
     """Measurements played from a known cost model with multiplicative noise (tests, what-ifs)."""
+
+    #: Tokens per rank of the played MoE all-to-alls (when the truth has an all-to-all).
+    MOE_TOKENS = (256, 512, 1024, 2048, 4096)
 
     def __init__(self, truth: CostModel, *, noise: float = 0.0, seed: int = 0, hdp_size: int = 2,
                  device_name: str = "synthetic") -> None:
@@ -327,10 +360,15 @@ class SyntheticSource:
             activation_samples.append((int(n), self._noisy(t.activation_bytes(n))))
             if progress is not None:
                 progress(f"{i + 1}/{len(lengths)} lengths: {n} tokens")
+        moe: tuple[tuple[int, float], ...] = ()
+        if t.expert_parallel_size > 1:  # one all-to-all is a quarter of the layer's dispatch
+            moe = tuple((n, self._noisy((t.moe_dispatch_s_per_token * n + t.moe_dispatch_s) / 4))
+                        for n in self.MOE_TOKENS)
         return ProfileSamples(
             time_samples=tuple(time_samples), activation_samples=tuple(activation_samples),
             d2h_bandwidth=t.d2h_bandwidth, h2d_bandwidth=t.h2d_bandwidth,
             p2p_bandwidth=t.p2p_bandwidth_intra, p2p_latency_s=t.p2p_latency_s,
             ring_step_overhead_s=t.ring_step_overhead_s, device_name=self.device_name,
-            hdp_size=self.hdp_size, per_document_s=t.per_document_s,
+            hdp_size=self.hdp_size, per_document_s=t.per_document_s, moe_dispatch_samples=moe,
+            expert_parallel_size=t.expert_parallel_size, moe_a2a_bytes_per_token=t.moe_a2a_bytes_per_token,
         )

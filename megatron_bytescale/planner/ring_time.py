@@ -13,7 +13,8 @@ real lengths ``s_j`` over a ring of D ranks with per-document zigzag; each seque
     wait    = (ring_straggler + ring_straggler_link_ratio * (m_f + m_b)) * sqrt(2 ln D)
     ring    = c_f + (D - 1) * max(c_f, m_f) + c_b + (D - 1) * max(c_b, m_b)
               + (D - 1) * (ring_step_overhead + wait)
-    time    = layers * (linear + ring + exposed_offload)
+    moe     = moe_dispatch_per_token * sum(P_j) / D + moe_dispatch      (MoE layers only)
+    time    = layers * (linear + ring + moe + exposed_offload)
 
 i.e. D compute steps per direction, of which D - 1 overlap one P2P exchange each; communication
 costs time only where it exceeds the compute it hides behind. ``ring_step_overhead`` is what a
@@ -24,6 +25,11 @@ and thread switches that gloo makes on the same cores that compute (calibrated b
 is the cost of one attention-kernel call per document per ring step (backends without varlen
 kernels, the CPU path; calibrated with micro-batches of many short documents).
 
+``moe`` is a MoE layer's token dispatch (:mod:`.moe_cost`): the all-to-alls over the expert-
+parallel group and the dispatcher's TP collectives, linear in the member's own tokens (its
+share of the ring), exposed (megatron-core does not overlap them with compute) and counted
+as communication; 0 for dense models.
+
 ``wait`` is the time a lockstep ring waits for its slowest member in every step: the expected
 maximum of D delays of standard deviation ``sigma`` is ``sigma * sqrt(2 ln D)``. Two forms of
 ``sigma``: ``ring_straggler`` (``ring_straggler_s``) an absolute time, the same for every ring
@@ -33,7 +39,7 @@ slowness of its link (a congested network, a NIC busy with other rings' traffic)
 what the paper's measurements need (docs/reproduction.md section 2): the first, fitted to the
 case study at TP 1, swamps models whose TP 8 makes every ring step 8x smaller. Both are 0 on
 datasheet presets. With D = 1 and one document the time is exactly
-``layers * (T(s) + per_document)`` summed over the pack (gamma once per micro-batch).
+``layers * (T(s) + per_document + moe)`` summed over the pack (gamma once per micro-batch).
 ``bandwidth`` is the intra-node rate when all members share a node, else the inter-node rate
 (a ring is as slow as its slowest hop); a ring inside a node therefore waits
 ``bandwidth_inter / bandwidth_intra`` times less with the link-time form.
@@ -140,6 +146,10 @@ def ring_time_terms(
     docs = cm.per_document_s * np.asarray(num_docs, dtype=np.float64) * d if cm.per_document_s else 0.0
     linear = linear + docs
     overhead = (steps + np.where(two, 2.0, 0.0)) * cm.ring_step_overhead_s
+    if cm.moe_dispatch_s_per_token or cm.moe_dispatch_s:  # MoE token dispatch (.moe_cost): exposed
+        moe = cm.moe_dispatch_s_per_token * share + cm.moe_dispatch_s
+        exposed_comm = exposed_comm + moe
+        a2a_comm = a2a_comm + moe  # counted in ``comm`` below
     layer = linear + attn + exposed_comm + overhead
     exposed_offload = np.maximum(0.0, r * (cm.alpha2 * share + cm.beta2) / cm.offload_bandwidth - layer)
     return RingTimeTerms(

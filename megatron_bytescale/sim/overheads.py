@@ -14,7 +14,10 @@ are the same kind of arithmetic as the cost model's, built from the same links:
     and an all-gather of the updated parameters, ``(N - 1) / N`` of each.
 
   The rate is the cost model's NVLink rate when the whole HDP group sits in one node, else
-  its network rate, plus ``p2p_latency_s`` per ring step. It starts when the slowest rank
+  its network rate, plus ``p2p_latency_s`` per ring step. With expert parallelism E > 1 the
+  expert weights (``expert_params_per_rank``, already 1/E of the experts) reduce over the
+  expert-data-parallel group of N / E ranks instead, after the dense ones, as Megatron's
+  separate expert gradient buffer does. It starts when the slowest rank
   has finished its micro-batches and is not overlapped with backward (Megatron without
   ``--overlap-grad-reduce``; with HDP the last bucket cannot start before the slowest rank
   anyway).
@@ -64,6 +67,11 @@ class StepOverheads:
     """Seconds per parameter of one optimizer update (see :data:`H100_OPTIMIZER_S_PER_PARAM`)."""
     load_s: float = 0.0
     """Seconds per step to read and prepare the next global batch, planning excluded."""
+    expert_params_per_rank: float = 0.0
+    """Of ``params_per_rank``, the expert weights (MoE with expert parallelism: the rank's
+    num_experts / E experts); they reduce, and ZeRO-1 shards them, over N / E ranks."""
+    expert_parallel_size: int = 1
+    """E: expert groups of E HDP ranks; the expert-data-parallel group has N / E ranks."""
     plan_s: float | None = None
     """Seconds the cluster's planner takes per step (a modelled input); None: the ``plan_s``
     given to :func:`.step.simulate_step` (0 unless the caller models it)."""
@@ -74,6 +82,21 @@ class StepOverheads:
             _check_nonnegative(name, getattr(self, name))
         if self.plan_s is not None:
             _check_nonnegative("plan_s", self.plan_s)
+        _check_nonnegative("expert_params_per_rank", self.expert_params_per_rank)
+        if self.expert_params_per_rank > self.params_per_rank:
+            raise ValueError(f"expert_params_per_rank ({self.expert_params_per_rank:g}) must be <= "
+                             f"params_per_rank ({self.params_per_rank:g})")
+        if isinstance(self.expert_parallel_size, bool) or not isinstance(self.expert_parallel_size, int) \
+                or self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size ({self.expert_parallel_size!r}) must be an integer >= 1")
+
+    def _groups(self, hdp_size: int) -> list[tuple[float, int]]:
+        """(parameters, ranks of the group they reduce over): dense over N, experts over N / E."""
+        n, e = int(hdp_size), self.expert_parallel_size
+        if e <= 1 or self.expert_params_per_rank <= 0:
+            return [(self.params_per_rank, n)]
+        return [(self.params_per_rank - self.expert_params_per_rank, n),
+                (self.expert_params_per_rank, max(1, n // e))]
 
     def grad_reduce_s(self, hdp_size: int, cost_model: CostModel, *, one_node: bool | None = None) -> float:
         """Seconds of the gradient reduction over ``hdp_size`` ranks (0 for one rank).
@@ -81,23 +104,28 @@ class StepOverheads:
         ``one_node``: whether the whole HDP group shares a node (default: ``hdp_size <=
         cost_model.ranks_per_node``), which picks the NVLink or the network rate.
         """
-        n = int(hdp_size)
-        if n <= 1 or self.params_per_rank <= 0:
+        if int(hdp_size) <= 1 or self.params_per_rank <= 0:
             return 0.0
         if one_node is None:
-            one_node = n <= cost_model.ranks_per_node
+            one_node = int(hdp_size) <= cost_model.ranks_per_node
         bandwidth = cost_model.p2p_bandwidth_intra if one_node else cost_model.p2p_bandwidth_inter
-        share = (n - 1) / n
-        if self.distributed_optimizer:
-            volume = share * self.params_per_rank * (self.grad_bytes_per_param + self.param_bytes_per_param)
-        else:
-            volume = 2.0 * share * self.params_per_rank * self.grad_bytes_per_param
-        return volume / bandwidth + 2 * (n - 1) * cost_model.p2p_latency_s
+        total = 0.0
+        for params, n in self._groups(hdp_size):
+            if n <= 1 or params <= 0:
+                continue
+            share = (n - 1) / n
+            if self.distributed_optimizer:
+                volume = share * params * (self.grad_bytes_per_param + self.param_bytes_per_param)
+            else:
+                volume = 2.0 * share * params * self.grad_bytes_per_param
+            total += volume / bandwidth + 2 * (n - 1) * cost_model.p2p_latency_s
+        return total
 
     def optimizer_s(self, hdp_size: int) -> float:
         """Seconds of one optimizer step on one rank."""
-        shards = max(1, int(hdp_size)) if self.distributed_optimizer else 1
-        return self.params_per_rank / shards * self.optimizer_s_per_param
+        if not self.distributed_optimizer:
+            return self.params_per_rank * self.optimizer_s_per_param
+        return sum(params / max(1, n) for params, n in self._groups(hdp_size)) * self.optimizer_s_per_param
 
     def data_wait_s(self, plan_s: float, busy_step_s: float, *, lookahead: bool) -> float:
         """Seconds the step waits for its data and plan: all of ``load_s + plan_s`` without
@@ -114,8 +142,8 @@ def _check_nonnegative(name: str, value: Any) -> None:
 def parameter_count(model: Any) -> dict[str, float]:
     """Parameters of a :class:`~megatron_bytescale.planner.presets.ModelSpec`, before TP/PP splits.
 
-    ``per_layer``: QKV and output projections, the SwiGLU MLP (every expert for MoE: experts
-    live on the rank without expert parallelism) plus the router, two RMSNorms;
+    ``per_layer``: QKV and output projections, the SwiGLU MLP (every expert for MoE) plus the
+    router, two RMSNorms; ``experts_per_layer``: the experts' share of it (0 for dense models);
     ``embedding`` and ``lm_head``: ``vocab x hidden`` each (untied, as LLaMA/Mistral);
     ``total``.
     """
@@ -128,6 +156,7 @@ def parameter_count(model: Any) -> dict[str, float]:
     embedding = float(model.vocab_size) * h
     return {
         "per_layer": per_layer,
+        "experts_per_layer": mlp if model.num_experts > 1 else 0.0,
         "embedding": embedding,
         "lm_head": embedding,
         "total": per_layer * model.num_layers + 2.0 * embedding,
@@ -136,17 +165,28 @@ def parameter_count(model: Any) -> dict[str, float]:
 
 def params_per_rank(model: Any, *, tensor_parallel_size: int, pp_size: int) -> float:
     """Parameters on one GPU of the largest PP stage (its layers plus the embedding or the LM
-    head; both when PP = 1), split over TP."""
+    head; both when PP = 1), split over TP; with expert parallelism E the rank holds 1 / E of
+    the experts."""
     counts = parameter_count(model)
     layers = model.num_layers / pp_size
     ends = 2.0 if pp_size == 1 else 1.0
-    return (counts["per_layer"] * layers + ends * counts["embedding"]) / tensor_parallel_size
+    per_layer = counts["per_layer"] - counts["experts_per_layer"] + expert_params_per_layer(model)
+    return (per_layer * layers + ends * counts["embedding"]) / tensor_parallel_size
+
+
+def expert_params_per_layer(model: Any) -> float:
+    """Expert parameters of one layer on one rank before the TP split: 1 / E of the experts."""
+    return parameter_count(model)["experts_per_layer"] / getattr(model, "expert_parallel_size", 1)
 
 
 def preset_overheads(model: Any, *, tensor_parallel_size: int, pp_size: int, **changes: Any) -> StepOverheads:
     """:class:`StepOverheads` of a preset model on H100-class GPUs (ZeRO-1, fp32 reduction)."""
+    ep = getattr(model, "expert_parallel_size", 1)
     values: dict[str, Any] = dict(
         params_per_rank=params_per_rank(model, tensor_parallel_size=tensor_parallel_size, pp_size=pp_size),
+        expert_params_per_rank=(expert_params_per_layer(model) * model.num_layers / pp_size / tensor_parallel_size
+                                if ep > 1 else 0.0),
+        expert_parallel_size=ep,
         optimizer_s_per_param=H100_OPTIMIZER_S_PER_PARAM,
     )
     values.update(changes)

@@ -86,6 +86,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                                          "drain shrink by this factor (default 1: plain 1F1B; needs --pp-size > 1)")
     cluster.add_argument("--tensor-model-parallel-size", type=positive_int, default=None,
                          help="TP degree (default: the model preset's)")
+    cluster.add_argument("--expert-model-parallel-size", "--ep-size", dest="ep_size", type=positive_int,
+                         default=None,
+                         help="EP degree of a mixture-of-experts --model preset: experts split over this many "
+                              "consecutive HDP ranks, tokens dispatched by all-to-all, which the cost model "
+                              "charges (default 1: no all-to-all)")
     cluster.add_argument("--model", default=None,
                          help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
                               "mistral-8x22b (default llama-7b; not with --cost-model)")
@@ -157,9 +162,11 @@ def model_name(args: argparse.Namespace) -> str:
 def moe_note(args: argparse.Namespace) -> str | None:
     """What a mixture-of-experts ``--model`` preset's numbers are, in one line (None: dense).
 
-    The presets' cost model counts the experts as top-k dense FFNs on every rank (no expert
-    parallelism, no all-to-all), and the plugin trains MoE under HDP only with TP = PP = EP = 1
-    (docs/moe.md), so the output must not read as a measured or trainable MoE layout.
+    The presets' cost model counts the router and top-k experts per token plus the token
+    dispatch (the dispatcher's copies and TP collectives, and the all-to-alls with
+    ``--expert-model-parallel-size`` > 1; :mod:`..planner.moe_cost`), and the plugin trains MoE
+    under HDP only with TP = PP = EP = 1 (docs/moe.md), so the output must not read as a
+    measured or trainable MoE layout.
     """
     from ..planner.presets import model_spec
 
@@ -168,10 +175,13 @@ def moe_note(args: argparse.Namespace) -> str | None:
     spec = model_spec(model_name(args))
     if spec.num_experts <= 1:
         return None
+    ep = getattr(args, "ep_size", None) or spec.expert_parallel_size
+    dispatch = (f"the all-to-all over expert-parallel groups of {ep}" if ep > 1
+                else "no all-to-all (expert parallelism 1)")
     return (f"note: {spec.name} is a mixture-of-experts model ({spec.num_experts} experts, "
-            f"top-{spec.moe_router_topk}); the cost model counts its experts as top-"
-            f"{spec.moe_router_topk} dense FFNs on every rank, without expert parallelism or "
-            "its all-to-all, and the plugin trains MoE under HDP with tensor, pipeline and "
+            f"top-{spec.moe_router_topk}); the cost model counts the router and top-"
+            f"{spec.moe_router_topk} experts per token and the token dispatch ({dispatch}), "
+            "and the plugin trains MoE under HDP with tensor, pipeline and "
             "expert parallelism 1 only (docs/moe.md): an analytic estimate, not a trainable "
             "layout")
 
@@ -184,11 +194,23 @@ def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     from ..planner.presets import model_spec, preset_cost_model
 
     model = model_name(args)
+    ep = getattr(args, "ep_size", None)
     if args.cost_model:
+        if ep is not None:
+            raise ValueError(f"--expert-model-parallel-size {ep} applies to a --model preset; a cost model "
+                             "file already holds its MoE dispatch terms (bytescale profile --num-experts)")
         cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
     else:
+        if ep is not None and ep > 1 and model_spec(model).num_experts <= 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts --model "
+                             f"(mistral-8x7b, mistral-8x22b); {model} is dense")
+        hdp = getattr(args, "hdp_size", None)
+        if ep is not None and hdp is not None and hdp % ep:
+            raise ValueError(f"--expert-model-parallel-size ({ep}) must divide --hdp-size ({hdp}): expert "
+                             "groups are that many consecutive HDP ranks")
         cm = preset_cost_model(model, getattr(args, "hardware", "h100"),
-                               tensor_parallel_size=args.tensor_model_parallel_size)
+                               tensor_parallel_size=args.tensor_model_parallel_size,
+                               expert_parallel_size=ep)
         pp = args.pp_size or model_spec(model).pipeline_parallel_size
     if getattr(args, "two_level_ring", False):
         cm = cm.with_(two_level_ring=True)

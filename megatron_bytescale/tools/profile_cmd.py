@@ -43,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     model.add_argument("--vocab-size", type=int, default=256, help="embedding rows (not timed)")
     model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    model.add_argument("--num-experts", type=int, default=None,
+                       help="MoE: experts per layer (megatron-core's MoE layer, alltoall dispatcher); "
+                            "default: a dense model")
+    model.add_argument("--moe-router-topk", type=int, default=2, help="MoE: experts per token (default 2)")
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="MoE: each expert's FFN size (default --ffn-hidden-size)")
+    model.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="MoE: also time the token all-to-all over expert groups of this many consecutive "
+                            "HDP ranks and fit the dispatch terms (default 1: no all-to-all). The layer "
+                            "itself is timed with every expert on the rank")
     precision = model.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
@@ -118,9 +128,32 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
                          f"(--nproc-per-node); use {tp} or a multiple of it")
     if args.seed < 0:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
+    check_moe_flags(args, world_size)
     if not args.out:
         raise ValueError("--out is empty; give the cost model JSON file to write")
     omp_num_threads()
+
+
+def check_moe_flags(args: argparse.Namespace, world_size: int | None) -> None:
+    """The MoE flags (ValueError naming the flag)."""
+    experts, ep = args.num_experts, args.expert_model_parallel_size
+    if experts is None:
+        if ep != 1:
+            raise ValueError(f"--expert-model-parallel-size ({ep}) needs a MoE model: give --num-experts")
+        return
+    if experts < 2:
+        raise ValueError(f"--num-experts ({experts}) must be >= 2 (leave it out for a dense model)")
+    if not 1 <= args.moe_router_topk <= experts:
+        raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be from 1 to --num-experts ({experts})")
+    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size < 1:
+        raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be >= 1")
+    if ep < 1 or experts % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide --num-experts ({experts})")
+    if world_size is not None and ep > 1:
+        hdp = world_size // args.tensor_model_parallel_size
+        if hdp % ep:
+            raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the {hdp} HDP ranks "
+                             f"(--nproc-per-node / --tensor-model-parallel-size)")
 
 
 _WORKER_HINT = ("bytescale profile runs as a torchrun worker when WORLD_SIZE is set; unset "
@@ -237,11 +270,17 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
                                             dkv_wire=config.dkv_wire_dtype)
     seed_model_parallel(args.seed)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    moe: dict[str, Any] = {}
+    if args.num_experts is not None:  # megatron-core's MoE layer; TP needs sequence parallelism
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size or 4 * args.hidden_size,
+                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                   add_bias_linear=False, sequence_parallel=tp > 1)
     model_config = make_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=tp,
-        bf16=args.bf16, fp16=args.fp16, params_dtype=dtype,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=dtype, **moe,
     )  # fmt: skip
     model = build_gpt_model(model_config, vocab_size=args.vocab_size,
                             max_sequence_length=args.max_position_embeddings or args.seq_length)
@@ -254,10 +293,13 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
                   flush=True)
 
     local = env_int("LOCAL_WORLD_SIZE", low=1, high=MAX_PROCESSES, default=dist.get_world_size())
-    progress(f"{args.num_layers}-layer GPT on {manager.size} HDP rank(s), lengths {lengths}")
+    what = (f"MoE ({args.num_experts} experts, top-{args.moe_router_topk}, EP "
+            f"{args.expert_model_parallel_size}) " if args.num_experts else "")
+    progress(f"{args.num_layers}-layer {what}GPT on {manager.size} HDP rank(s), lengths {lengths}")
     return profile_model(model, manager, lengths=lengths, repeats=args.repeats,
                          vocab_size=args.vocab_size, dkv_wire=config.dkv_wire_dtype, progress=progress,
-                         ranks_per_node=max(1, local // tp))
+                         ranks_per_node=max(1, local // tp),
+                         expert_parallel_size=args.expert_model_parallel_size)
 
 
 def _report(args: argparse.Namespace, result: Any) -> bool:

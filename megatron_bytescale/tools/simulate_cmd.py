@@ -138,6 +138,7 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     from ..planner.presets import model_spec
     from ..sim.overheads import H100_OPTIMIZER_S_PER_PARAM, StepOverheads, parameter_count
 
+    experts, ep = 0.0, 1
     if args.model_params is not None:
         if not args.model_params >= 1:
             raise ValueError(f"--model-params ({args.model_params:g}) must be >= 1")
@@ -145,13 +146,19 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     elif args.cost_model:
         total = 0.0
     else:
-        total = parameter_count(model_spec(model_name(args)))["total"]
+        spec = model_spec(model_name(args))
+        counts = parameter_count(spec)
+        total = counts["total"]
+        ep = getattr(args, "ep_size", None) or spec.expert_parallel_size
+        experts = counts["experts_per_layer"] * spec.num_layers if ep > 1 else 0.0
     for flag in ("load_s", "plan_time_s"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} ({value:g}) must be a finite number of seconds >= 0")
+    on_rank = (total - experts + experts / ep) / (tp * pp)  # 1 / E of the experts with EP
     overheads = StepOverheads(
-        params_per_rank=total / (tp * pp), grad_bytes_per_param=float(args.grad_reduce_bytes),
+        params_per_rank=on_rank, expert_params_per_rank=experts / ep / (tp * pp), expert_parallel_size=ep,
+        grad_bytes_per_param=float(args.grad_reduce_bytes),
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_s_per_param=0.0 if args.cost_model else H100_OPTIMIZER_S_PER_PARAM,
         load_s=args.load_s, plan_s=args.plan_time_s,
@@ -159,6 +166,8 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     if total <= 0:
         return overheads, "gradient reduction and optimizer not modelled (pass --model-params)"
     how = "plain all-reduce" if args.no_distributed_optimizer else "ZeRO-1 over the HDP group"
+    if ep > 1:
+        how += f" (experts over the {ep}-way expert-parallel split's data-parallel groups)"
     return overheads, f"{total / 1e9:.3g}B parameters, {how}, {args.grad_reduce_bytes}-byte gradients"
 
 

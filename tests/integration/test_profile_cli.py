@@ -51,3 +51,34 @@ def test_profile_writes_a_cost_model_that_plan_reads(tmp_path):
 def test_bad_input_is_refused_before_any_process_starts(bad, message):
     done = _run(["profile", *MODEL, *bad], timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_profile_measures_a_moe_layer_and_its_all_to_all(tmp_path):
+    """--num-experts builds megatron-core's MoE layer (timed in T(s)); --expert-model-parallel-size
+    2 times the all-to-all over the two ranks and fits the dispatch terms into the cost model."""
+    out, report = tmp_path / "cm.json", tmp_path / "report.json"
+    done = _run(["profile", *MODEL, "--lengths", "32,64,128", "--repeats", "1", "--nproc-per-node", "2",
+                 "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                 "--out", str(out), "--report", str(report)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2-layer MoE (4 experts, top-2, EP 2) GPT on 2 HDP rank(s)" in done.stderr
+    cm = CostModel.load(out)
+    assert cm.expert_parallel_size == 2
+    assert cm.moe_a2a_bytes_per_token == 4 * 2 * 32 * 4 * (2 - 1) / 2  # 4 all-to-alls, top-2, h 32, fp32
+    assert cm.moe_dispatch_s_per_token + cm.moe_dispatch_s > 0
+    data = json.loads(report.read_text())
+    assert [n for n, _ in data["samples"]["moe_all_to_all"]] == [256, 512, 1024, 2048, 4096]
+    assert all(t > 0 for _, t in data["samples"]["moe_all_to_all"])
+    assert "MoE all-to-all over 2 ranks" in done.stdout
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--expert-model-parallel-size", "2"], "needs a MoE model: give --num-experts"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "3"], "must divide --num-experts (4)"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk (5) must be from 1 to"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--nproc-per-node", "2"],
+     "must divide the 2 HDP ranks"),
+])
+def test_bad_moe_flags_are_refused_before_any_process_starts(bad, message):
+    done = _run(["profile", *MODEL, *bad], timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

@@ -134,7 +134,7 @@ def test_same_plan_hash_in_two_processes():
 
 
 def test_cli_says_what_a_moe_preset_plan_is(capsys):
-    """A Mistral (MoE) preset's plan says its experts are modelled as dense FFNs and what the
+    """A Mistral (MoE) preset's plan says how its experts and token dispatch are modelled and what the
     plugin trains; a dense preset's says nothing of the kind."""
     base = ["--global-tokens", "400000", "--hdp-size", "8", "--no-offload", "--quiet"]
     assert main(base + ["--model", "mistral-8x7b"]) == 0
