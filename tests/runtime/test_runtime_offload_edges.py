@@ -193,3 +193,27 @@ def test_a_small_view_of_an_offloaded_storage_moves_no_bytes_of_its_own(x0, rati
     assert all(torch.equal(a, b) for a, b in zip(grads, reference))
     stats = offloader.end_step()
     assert stats.offloaded_bytes == stats.reloaded_bytes == T // 2 * H * 4
+
+
+class HeldViewAfter(torch.nn.Module):
+    """Saves ``y`` (token rows) and then ``y``'s last two rows (a view worth a copy, without a
+    token dimension, whose bytes ``y``'s device tail already holds)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2.0
+        return x + torch.cos(y) + torch.sin(y[-2:]).sum()  # cos saves y, then sin saves y[-2:]
+
+
+@pytest.mark.parametrize("ratio", [0.37, 0.5])
+def test_a_view_of_bytes_already_held_moves_nothing_more(x0, ratio):
+    """``y``'s first ceil(r T) rows go to the host, the rest to a device tail; a later view of
+    two tail rows holds no byte that is not held already, so nothing more is copied."""
+    layers = torch.nn.ModuleList([HeldViewAfter(), Tanh(), Tanh()])
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    reference = gradients(layers, x0, None, ratio)
+    grads = gradients(layers, x0, offloader, ratio)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    k = -(-Fraction(ratio).limit_denominator(10**6) * T // 1)
+    assert k <= T - 2  # the two rows are in the tail
+    stats = offloader.end_step()
+    assert stats.offloaded_bytes == stats.reloaded_bytes == k * H * 4
