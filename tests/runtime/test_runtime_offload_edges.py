@@ -217,3 +217,27 @@ def test_a_view_of_bytes_already_held_moves_nothing_more(x0, ratio):
     assert k <= T - 2  # the two rows are in the tail
     stats = offloader.end_step()
     assert stats.offloaded_bytes == stats.reloaded_bytes == k * H * 4
+
+
+class KeyOfFusedQKV(torch.nn.Module):
+    """Saves the second half of a fused projection's output (as the key of a fused QKV is a
+    view at an offset): token rows whose storage span starts H/2 elements in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = x * 2.0  # [T, 1, H]: query | key halves
+        key = fused[:, :, H // 2:]
+        return x + torch.sin(key).sum()  # sin saves the view
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.37])
+def test_a_token_view_at_an_offset_offloads_its_share_of_its_own_span(x0, ratio):
+    """The view's span is elements H/2 .. T H of the storage; its first ceil(r T) of T rows
+    are that share of the span (from its own start, not from the storage's)."""
+    layers = torch.nn.ModuleList([KeyOfFusedQKV(), Tanh(), Tanh()])
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    reference = gradients(layers, x0, None, ratio)
+    grads = gradients(layers, x0, offloader, ratio)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    k = -(-Fraction(ratio).limit_denominator(10**6) * T // 1)
+    span = T * H - H // 2  # elements from the view's first to one past its last
+    assert offloader.end_step().offloaded_bytes == span * k // T * 4
