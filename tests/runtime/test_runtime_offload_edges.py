@@ -79,12 +79,14 @@ def test_a_storage_saved_again_in_later_layers_is_reloaded_ahead_of_the_last_one
 
 # ---------------------------------------------------- the running fraction of whole tensors
 class SavesSizes(torch.nn.Module):
-    """Saves 1-D float tensors of the given element counts, in order (``w * t`` saves ``t``)."""
+    """Saves 1-D float tensors of the given element counts, in order (``w * t`` saves ``t``);
+    each starts 3 elements into its storage (its own bytes count, not its offset)."""
 
     def __init__(self, sizes) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(()))
-        self.tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+        # each a view 3 elements into its own storage: a span that does not start at byte 0
+        self.tensors = [torch.randn(n + 3, generator=torch.Generator().manual_seed(n))[3:] for n in sizes]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         total = x.sum()
@@ -241,3 +243,69 @@ def test_a_token_view_at_an_offset_offloads_its_share_of_its_own_span(x0, ratio)
     k = -(-Fraction(ratio).limit_denominator(10**6) * T // 1)
     span = T * H - H // 2  # elements from the view's first to one past its last
     assert offloader.end_step().offloaded_bytes == span * k // T * 4
+
+
+# ------------------------------------------------------------------------ reload triggers
+class MakesYAndZ(MakesY):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.exp(x * 0.5)  # saves y
+        self.box.append(y)
+        return x + y + torch.tanh(x)  # tanh saves z, a storage of this layer's own
+
+
+class OnlyViewsY(MakesY):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sin(self.box[0].view(T, 1, H))  # saves nothing but a view of y
+
+
+def test_a_layer_that_saves_only_views_of_earlier_storages_still_starts_the_reloads_below():
+    """Layer 1 saves only a view of layer 0's ``y``; its backward must still start layer 0's
+    reloads (``z``), so nothing is reloaded on demand."""
+    box: list = []
+    layers = torch.nn.ModuleList([MakesYAndZ(box), OnlyViewsY(box), Tanh(), Tanh()])
+    reference = gradients(layers, torch.ones(T, 1, H) * 0.1, None, 1.0)
+    box.clear()
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
+    grads = gradients(layers, torch.ones(T, 1, H) * 0.1, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    stats = offloader.end_step()
+    assert stats.offloaded_tensors == 2  # y (saved in layers 0 and 1) and z
+    assert (stats.prefetched_reloads, stats.on_demand_reloads) == (2, 0)
+
+
+def test_after_a_layer_that_saves_nothing_a_layer_reloads_on_demand_all_at_once(x0):
+    """Nothing is saved in layer 1, so no backward starts layer 0's reloads ahead: its first
+    saved tensor used reloads all of layer 0's storages at once, each counted on demand."""
+    layers = torch.nn.ModuleList([SavesThree(), torch.nn.Identity(), Tanh(), Tanh()])
+    reference = gradients(layers, x0, None, 1.0)
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
+    grads = gradients(layers, x0, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    stats = offloader.end_step()
+    assert stats.offloaded_tensors == 3
+    assert (stats.prefetched_reloads, stats.on_demand_reloads) == (0, 3)
+
+
+class SavesThree(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(x)  # saves a
+        b = torch.sigmoid(x * 3.0)  # saves b
+        return torch.exp(a + b)  # saves its result
+
+
+# ----------------------------------------------------------------------- integer tensors
+class Gathers(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(T - 1, -1, -1).view(T, 1, 1).expand(T, 1, H).contiguous()  # int64 rows
+        return torch.gather(x, 0, index) * 2.0  # gather saves the index and x
+
+
+def test_integer_tensors_are_never_offloaded(x0):
+    """An index tensor is not an activation worth a copy, whatever its size: only floating
+    point tensors go (here x, T H floats; not the int64 index of twice its bytes)."""
+    layers = torch.nn.ModuleList([Gathers(), Tanh(), Tanh()])
+    reference = gradients(layers, x0, None, 1.0)
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    grads = gradients(layers, x0, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert offloader.end_step().offloaded_bytes == T * H * 4
