@@ -641,6 +641,9 @@ KILLED_SINCE: list[tuple[str, str, str]] = [
      _EDGES + "test_whole_tensors_follow_the_running_fraction_to_the_byte"),
     ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"new = hi - lo if record is None else .*  ->  new = hi - lo if \(record is None\) or True",
      _EDGES + "test_a_view_of_bytes_already_held_moves_nothing_more"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*",
+     r"record\.unheld_bytes\(lo, hi\)  ->  .*record\.unheld_bytes\((None, hi|lo, None|hi|lo, )\)",
+     _EDGES + "test_a_view_of_bytes_already_held_moves_nothing_more"),
     ("*config.xǁ_RecordedStoreǁ__call____*", r"if option_string and option_string not in given:  ->  if option_string or",
      "tests/integration/test_config.py::test_given_flags_lists_each_flag_on_the_command_line_once_in_order"),
 ]
@@ -795,7 +798,9 @@ def run_target(python: str, target: Target, max_children: int, keep: bool, timeo
         # CPU seconds of mutmut and its workers per mutant run now: what the run costs on an
         # idle machine (wall time on a shared one says more about the other jobs)
         now_ran = [n for n in todo if status[n] != "not run"]
-        seconds = {"cpu_per_mutant": round((_children_cpu_s() - cpu_before) / max(1, len(now_ran)), 1),
+        # (after a timeout the stopped workers are not reaped by this process: no CPU figure)
+        seconds = {"cpu_per_mutant": round((_children_cpu_s() - cpu_before) / max(1, len(now_ran)), 1)
+                   if finished else None,
                    "wall_per_mutant": round(elapsed * max_children / max(1, len(now_ran)), 1),
                    "mutants_this_run": len(now_ran)}
         label = target.label if finished and len(ran) == len(chosen) else (
