@@ -29,6 +29,14 @@ Usage::
     .venv/bin/python scripts/mutation_check.py --part planted  # only the planted bugs
     .venv/bin/python scripts/mutation_check.py --part mutmut --targets zigzag,online_softmax
     .venv/bin/python scripts/mutation_check.py --no-write --keep   # print; keep the work folder
+    # a target that runs past --timeout (seconds, per target) gets a PARTIAL row with exact
+    # counts; with --keep its folder can be continued later, running only the undecided mutants:
+    .venv/bin/python scripts/mutation_check.py --part mutmut --targets offload --keep --timeout 1800
+    .venv/bin/python scripts/mutation_check.py --part mutmut --targets offload --resume /tmp/mutmut-offload-XXXX
+
+Each target's entry in docs/mutation_check.json records the CPU seconds per mutant of its run
+(``seconds_per_mutant``: mutmut and its workers, what the run costs on an idle machine), with
+the wall seconds per mutant and worker beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ import fnmatch
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -271,7 +281,7 @@ class Target:
 PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_planner_zigzag_splits.py",
                  "tests/planner/test_planner_validate.py")
 OFFLOAD_TESTS = ("tests/runtime/test_runtime_offload.py", "tests/runtime/test_runtime_offload_storage.py",
-                 "tests/runtime/test_runtime_offload_classes.py",
+                 "tests/runtime/test_runtime_offload_classes.py", "tests/runtime/test_runtime_offload_edges.py",
                  "tests/integration/test_sequence_parallel_rows.py")
 _PLACEMENT = "tests/planner/test_topology_placement.py::"
 PLACEMENT_TESTS = tuple(_PLACEMENT + t for t in (
@@ -302,7 +312,8 @@ TARGETS = [
            ("tests/planner/test_planner_balance_units.py",
             "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
             "tests/planner/test_planner_schedulers.py")),
-    Target("dp_balance", "planner/schedulers/dp_balance.py (DP-Balance)",
+    # DP-Balance and its ring placement (_place_ring: the topology rule) since balance.py was split
+    Target("dp_balance", "planner/schedulers/dp_balance.py (DP-Balance, topology rule)",
            "megatron_bytescale/planner/schedulers/dp_balance.py",
            ("x_makespan", "x_dp_balance", "x__place_ring", "xǁ_Holesǁ*"),
            ("tests/planner/test_planner_balance_units.py",
@@ -358,9 +369,6 @@ TARGETS = [
     Target("placement", "planner/schedulers/placement.py (topology rule)",
            "megatron_bytescale/planner/schedulers/placement.py", ("*",),
            PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py", "tests/planner/test_ring_placer.py")),
-    Target("balance_topology", "planner/schedulers/balance.py (dp_balance, topology rule)",
-           "megatron_bytescale/planner/schedulers/balance.py", ("x_dp_balance", "x__place_ring"),
-           PLACEMENT_TESTS + ("tests/planner/test_planner_balance_units.py",)),
     Target("inputs", "planner/inputs.py (bounded reads, strict numbers)",
            "megatron_bytescale/planner/inputs.py", ("*",),
            ("tests/planner/test_input_readers.py", "tests/planner/test_bad_inputs.py")),
@@ -571,6 +579,73 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.xǁ_Holesǁtake__*", r"\(duration, -math\.inf, -1\)",
      "the rank element never decides (-inf already sorts before every start); +inf only "
      "differs for a hole exactly as long as the unit, to the last bit"),
+    # runtime/offload.py
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*",
+     r"if layer is not None and layer > record\.layer:.*  ->  if layer is not None (or layer > record\.layer|and layer >= record\.layer)",
+     "layers run in increasing order within a forward and layer None never reaches this branch "
+     "(it must stay resident), so a later view's layer is never below the record's: the change "
+     "only re-appends the record to the list of the layer it is in, and reload_layer reloads a "
+     "record once (needs_reload)"),
+    ("*offload.xǁMicroBatchOffloadǁ_must_stay_resident__*", r"if self\.ratio <= 0\.0 .*  ->  if self\.ratio < 0\.0 ",
+     "at r = 0 nothing goes either way: ceil(0 * rows - 1e-9) = 0 rows and the running fraction "
+     "of whole tensors is never below 0, so no record is made (a negative r is refused)"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"if self\._offloaded_whole < .*  ->  if self\._offloaded_whole <= ", TOLERANCE),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"if new == 0:  ->  if new == 1:",
+     "after every decision the whole-tensor bytes moved are at least r of those seen (a tensor "
+     "goes only while they are below, adding n >= r n; it stays only when they are not), so a "
+     "view adding no bytes (new == 0) is never moved: the early return only skips the comparison"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"return hi - lo  ->  return hi \+ lo",
+     "cover() holds at most the view's span on the host (min(hi, lo + host_bytes)): asking for "
+     "more than hi - lo moves the same bytes"),
+    ("*offload.xǁMicroBatchOffloadǁ_unpack__*", r"self\._backward_layers\.add\(layer\)  ->  self\._backward_layers\.add\(None\)",
+     "reload_layer pops the layer's list, so calling it again for the same layer finds nothing "
+     "(saves only happen in forward): only the first call per layer starts reloads"),
+]
+
+# Survivors of a run that a test added after it kills (each planted by hand: the test fails):
+# (mutant-name glob, regex on "original  ->  mutated", the test). A rerun of the target drops
+# them from the survivors; until then the table says which test kills them.
+_EDGES = "tests/runtime/test_runtime_offload_edges.py::"
+KILLED_SINCE: list[tuple[str, str, str]] = [
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*",
+     r"if record is not None and not self\._eligible\(tensor\):  ->  if record is None and",
+     _EDGES + "test_a_small_view_of_an_offloaded_storage_moves_no_bytes_of_its_own"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__mutmut_5", r"return 0  ->  return 1",
+     _EDGES + "test_a_small_view_of_an_offloaded_storage_moves_no_bytes_of_its_own"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__mutmut_41", r"return 0  ->  return 1",
+     _EDGES + "test_a_view_of_bytes_already_held_moves_nothing_more"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"return \(hi - lo\) // size .*  ->  return \(hi \+ lo\)",
+     _EDGES + "test_a_token_view_at_an_offset_offloads_its_share_of_its_own_span"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*",
+     r"if self\._offloaded_whole < self\.ratio \* self\._eligible_whole - 1e-9:  ->  .*(\+ 1e-9|- 1\.000000001):",
+     _EDGES + "test_whole_tensors_follow_the_running_fraction_to_the_byte"),
+    ("*offload.xǁMicroBatchOffloadǁ_eligible__*", r"and nbytes >= self\.owner\.min_tensor_bytes\)  ->  and nbytes > ",
+     _EDGES + "test_a_tensor_of_exactly_min_tensor_bytes_is_worth_a_copy"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*", r"if layer is not None and layer > record\.layer:.*  ->  if layer is None and",
+     _EDGES + "test_a_storage_saved_again_in_later_layers_is_reloaded_ahead_of_the_last_one"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*", r"record\.layer = layer  ->  record\.layer = None",
+     _EDGES + "test_a_storage_saved_again_in_later_layers_is_reloaded_ahead_of_the_last_one"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*", r"if host > 0:  ->  if host >= 0:",
+     _EDGES + "test_whole_tensors_follow_the_running_fraction_to_the_byte"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*", r"_resident_storages\.add\(ptr\)  ->  .*\.add\(None\)",
+     _EDGES + "test_a_storage_with_a_resident_view_stays_resident"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__*", r"^record = None  ->  record = \"\"",
+     "tests/runtime/test_runtime_offload_storage.py::test_a_new_storage_at_a_freed_storages_address_is_offloaded_on_its_own"),
+    ("*offload.xǁMicroBatchOffloadǁ_saved__mutmut_38", r"SavedActivation\(self, tensor, layer, record\)  ->  return SavedActivation\(self, tensor, None, record\)",
+     _EDGES + "test_a_layer_that_saves_only_views_of_earlier_storages_still_starts_the_reloads_below"),
+    ("*offload.xǁMicroBatchOffloadǁreload_layer__*", r"self\.counters\.on_demand_reloads \+= 1  ->  ",
+     _EDGES + "test_after_a_layer_that_saves_nothing_a_layer_reloads_on_demand_all_at_once"),
+    ("*offload.xǁMicroBatchOffloadǁ_eligible__*", r"return \(tensor\.is_floating_point\(\) and .*  ->  return \(tensor\.is_floating_point\(\) or ",
+     _EDGES + "test_integer_tensors_are_never_offloaded"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"new = hi - lo if record is None else .*  ->  new = hi \+ lo if",
+     _EDGES + "test_whole_tensors_follow_the_running_fraction_to_the_byte"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*", r"new = hi - lo if record is None else .*  ->  new = hi - lo if \(record is None\) or True",
+     _EDGES + "test_a_view_of_bytes_already_held_moves_nothing_more"),
+    ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*",
+     r"record\.unheld_bytes\(lo, hi\)  ->  .*record\.unheld_bytes\((None, hi|lo, None|hi|lo, )\)",
+     _EDGES + "test_a_view_of_bytes_already_held_moves_nothing_more"),
+    ("*config.xǁ_RecordedStoreǁ__call____*", r"if option_string and option_string not in given:  ->  if option_string or",
+     "tests/integration/test_config.py::test_given_flags_lists_each_flag_on_the_command_line_once_in_order"),
 ]
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
@@ -639,62 +714,114 @@ def _justification(name: str, mutation: str) -> str | None:
     for glob, pattern, reason in EQUIVALENT:
         if fnmatch.fnmatch(name, glob) and re.search(pattern, mutation):
             return reason
+    for glob, pattern, test in KILLED_SINCE:
+        if fnmatch.fnmatch(name, glob) and re.search(pattern, mutation):
+            return f"killed since by `{test}` (added after this run; the mutant planted by hand fails it)"
     return None
 
 
-def _mutmut(python: str, work: Path, names: list[str], max_children: int, timeout_s: int) -> None:
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of every finished child process and their descendants."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _mutmut(python: str, work: Path, names: list[str], max_children: int, timeout_s: float) -> bool:
+    """Run mutmut on ``names``; False if it ran past ``timeout_s`` (then it and its workers are
+    stopped, and the mutants decided so far stay in its meta file: a partial result)."""
     with open(work / "mutmut.log", "a", encoding="utf-8") as log:
-        done = subprocess.run([python, "-m", "mutmut", "run", "--max-children", str(max_children), *names],
-                              cwd=work, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    if done.returncode != 0:
+        # its own session, so that a timeout stops the fork server and the workers too
+        proc = subprocess.Popen([python, "-m", "mutmut", "run", "--max-children", str(max_children), *names],
+                                cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        try:
+            code = proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=wait_s)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            return False
+    if code != 0:
         tail = (work / "mutmut.log").read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"mutmut failed in {work} (exit {done.returncode}):\n{tail}")
+        raise SystemExit(f"mutmut failed in {work} (exit {code}):\n{tail}")
+    return True
 
 
-def run_target(python: str, target: Target, max_children: int, keep: bool, timeout_s: int):
-    """(table row, survivor rows, unjustified count, mutants run) of one target."""
-    work = Path(tempfile.mkdtemp(prefix=f"mutmut-{target.key}-"))
+def run_target(python: str, target: Target, max_children: int, keep: bool, timeout_s: int,
+               resume: Path | None = None):
+    """(table row, survivor rows, timeout rows, unjustified count, mutants, seconds per mutant)
+    of one target. ``timeout_s`` bounds the whole target; past it the mutants decided so far
+    make a row marked PARTIAL with exact counts (the rest are "other", never survivors).
+
+    ``resume``: the work folder a partial run of this target kept (``--keep``); only the mutants
+    it has not decided run (the source must be unchanged since, or mutmut remakes them)."""
+    deadline = time.monotonic() + timeout_s
+    module = target.file[:-3].replace("/", ".")
+    meta_file = Path(resume or "") / "mutants" / (target.file + ".meta")
+    work = resume if resume is not None else Path(tempfile.mkdtemp(prefix=f"mutmut-{target.key}-"))
+    keep = keep or resume is not None
+    cpu_before = _children_cpu_s()
     try:
-        copy_tree(work)
-        (work / "setup.cfg").write_text(_mutmut_config(target), encoding="utf-8")
-        module = target.file[:-3].replace("/", ".")
-        progress(f"{target.key}: generating mutants and mapping tests in {work}")
-        # mutmut generates every mutant of the file, maps tests to functions and runs what the
-        # names match; it insists on a match, so this first pass runs each function's mutant 1
-        _mutmut(python, work, [f"{module}.*__mutmut_1"], max_children, timeout_s)
+        if resume is not None and not meta_file.is_file():
+            raise SystemExit(f"--resume {resume}: no {meta_file.relative_to(resume)} there")
+        if resume is None:
+            copy_tree(work)
+            (work / "setup.cfg").write_text(_mutmut_config(target), encoding="utf-8")
+            progress(f"{target.key}: generating mutants and mapping tests in {work}")
+            # mutmut generates every mutant of the file, maps tests to functions and runs what
+            # the names match; it insists on a match, so this first pass runs mutant 1 of each
+            # function the target names (mutants of the file's other functions are never run)
+            first = [f"{module}.{f}__mutmut_1" for f in target.functions]
+            if not _mutmut(python, work, first, max_children, deadline - time.monotonic()):
+                raise SystemExit(f"{target.key}: mapping the tests alone took over {timeout_s} s (--timeout)")
         mutations = _mutations(work / "mutants" / target.file, module)
         chosen = sorted(
             n for n, m in mutations.items()
             if any(fnmatch.fnmatch(n.rsplit("__mutmut_", 1)[0], f"{module}.{f}") for f in target.functions)
             and (target.lines is None or _touches(target.lines, m))
         )
-        progress(f"{target.key}: running {len(chosen)} mutants")
+        decided = json.loads((work / "mutants" / (target.file + ".meta")).read_text(encoding="utf-8"))
+        todo = [n for n in chosen if decided["exit_code_by_key"].get(n) is None]  # the first pass ran some
+        progress(f"{target.key}: running {len(todo)} of its {len(chosen)} mutants")
         start = time.perf_counter()
-        if chosen:
-            _mutmut(python, work, chosen, max_children, timeout_s)
+        finished = not todo or _mutmut(python, work, todo, max_children, deadline - time.monotonic())
         elapsed = time.perf_counter() - start
         meta = json.loads((work / "mutants" / (target.file + ".meta")).read_text(encoding="utf-8"))
         codes = {n: meta["exit_code_by_key"].get(n) for n in chosen}
         status = {n: STATUS.get(c, "suspicious" if c is not None else "not run") for n, c in codes.items()}
         count = {s: list(status.values()).count(s) for s in set(status.values())}
+        ran = [n for n in chosen if status[n] != "not run"]
+        # CPU seconds of mutmut and its workers per mutant run now: what the run costs on an
+        # idle machine (wall time on a shared one says more about the other jobs)
+        now_ran = [n for n in todo if status[n] != "not run"]
+        # (after a timeout the stopped workers are not reaped by this process: no CPU figure)
+        seconds = {"cpu_per_mutant": round((_children_cpu_s() - cpu_before) / max(1, len(now_ran)), 1)
+                   if finished else None,
+                   "wall_per_mutant": round(elapsed * max_children / max(1, len(now_ran)), 1),
+                   "mutants_this_run": len(now_ran)}
+        label = target.label if finished and len(ran) == len(chosen) else (
+            f"{target.label} - PARTIAL: {len(ran)} of {len(chosen)} run")
         survivors, unjustified = [], 0
-        timeouts = [[target.label, n.rsplit(".", 1)[-1], f"`{mutations[n]}`"] for n in chosen
+        timeouts = [[label, n.rsplit(".", 1)[-1], f"`{mutations[n]}`"] for n in chosen
                     if status[n] == "timeout"]
         for name in chosen:
-            if status[name] in ("killed", "timeout"):  # a timeout: the mutant made a test hang
+            if status[name] in ("killed", "timeout", "not run"):  # a timeout: the mutant made a test hang
                 continue
             reason = _justification(name, mutations[name])
             unjustified += reason is None
-            survivors.append([target.label, name.rsplit(".", 1)[-1], f"`{mutations[name]}`",
+            survivors.append([label, name.rsplit(".", 1)[-1], f"`{mutations[name]}`",
                               f"{status[name]}: " + (reason or "**NOT JUSTIFIED**")])
         justified = len(survivors) - unjustified
-        row = [target.label, len(chosen), count.get("killed", 0), count.get("timeout", 0),
+        row = [label, len(chosen), count.get("killed", 0), count.get("timeout", 0),
                count.get("survived", 0), count.get("no tests", 0),
                len(chosen) - sum(count.get(s, 0) for s in ("killed", "timeout", "survived", "no tests")),
                justified, unjustified, f"{elapsed / 60:.1f}"]
-        progress(f"{target.key}: {row}")
-        return row, survivors, timeouts, unjustified, len(chosen)
+        progress(f"{target.key}: {row}; per mutant: {seconds}")
+        return row, survivors, timeouts, unjustified, len(chosen), seconds
     finally:
         if keep:
             progress(f"kept {work}")
@@ -730,7 +857,7 @@ def _rejudge(state: dict) -> None:
 
 
 def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool,
-               timeout_s: int, note: str = "") -> tuple[str, bool]:
+               timeout_s: int, note: str = "", resume: Path | None = None) -> tuple[str, bool]:
     if targets and subprocess.run([python, "-c", "import mutmut"], capture_output=True).returncode != 0:
         raise SystemExit("mutmut is not installed: .venv/bin/pip install -e .[mutation] "
                          "(or pip install mutmut==3.8.1)")
@@ -739,14 +866,26 @@ def run_mutmut(python: str, targets: list[Target], max_children: int, keep: bool
     if not targets:
         RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     for target in targets:
-        row, surv, hung, bad, n = run_target(python, target, max_children, keep, timeout_s)
+        row, surv, hung, bad, n, seconds = run_target(python, target, max_children, keep, timeout_s, resume)
+        before = state.get(target.key, {})
+        if resume is not None and before.get("work") == str(resume):  # the run it continued: its minutes too
+            row[-1] = f"{float(row[-1]) + float(before['row'][-1]):.1f}"
+        # reread: another run of this script (other targets) may have written meanwhile
+        if RESULTS.exists():
+            state.update({k: v for k, v in json.loads(RESULTS.read_text(encoding="utf-8")).items()
+                          if k != target.key})
         state[target.key] = {"row": row, "survivors": surv, "timeouts": hung, "unjustified": bad,
-                             "mutants": n,
+                             "mutants": n, "seconds_per_mutant": seconds,
+                             "work": str(resume) if resume is not None else None,
                              "date": time.strftime("%Y-%m-%d"), "workers": max_children}
         RESULTS.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     # the table shows every target's latest run (``--targets`` reruns only some of them)
     known = [t.key for t in TARGETS if t.key in state]
-    rows = [state[k]["row"] for k in known]
+    rows = [list(state[k]["row"]) for k in known]
+    for row, key in zip(rows, known):
+        target = next(t for t in TARGETS if t.key == key)
+        if row[0].split(" - PARTIAL")[0] != target.label:  # e.g. before its module was split
+            row[0] = f"{target.label} - STALE: last run as `{row[0]}`, on code since moved; rerun"
     survivors = [s for k in known for s in state[k]["survivors"]]
     timeouts = [t for k in known for t in state[k].get("timeouts", [])]
     unjustified = sum(state[k]["unjustified"] for k in known)
@@ -782,9 +921,12 @@ def main() -> int:
                     help=f"comma-separated subset of: {', '.join(t.key for t in TARGETS)} (default all; "
                          "'none' runs nothing and rewrites the table from docs/mutation_check.json)")
     ap.add_argument("--max-children", type=int, default=2, help="mutmut workers (default 2)")
-    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole mutmut run")
+    ap.add_argument("--timeout", type=int, default=3600,
+                    help="seconds per target (default 3600); past it the target's row is PARTIAL")
     ap.add_argument("--no-write", action="store_true", help="print the sections instead of writing docs/testing.md")
     ap.add_argument("--keep", action="store_true", help="keep mutmut's work folder (to inspect mutants)")
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="continue the partial run of one target in the work folder it kept (--keep)")
     ap.add_argument("--note", default="", help="a remark on the machine for the tables (e.g. its load)")
     args = ap.parse_args()
     python = sys.executable
@@ -800,7 +942,10 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"--targets: unknown {sorted(unknown)}; choose from {[t.key for t in TARGETS]}")
         targets = [t for t in TARGETS if wanted is None or t.key in wanted]
-        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout, args.note)
+        if args.resume is not None and len(targets) != 1:
+            raise SystemExit("--resume continues one target: name it with --targets")
+        body, clean = run_mutmut(python, targets, args.max_children, args.keep, args.timeout, args.note,
+                                 args.resume)
         ok &= clean
         print(body) if args.no_write else write_section("mutmut", body, TESTING_MD)
     if not ok:

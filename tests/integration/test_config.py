@@ -11,6 +11,7 @@ from megatron_bytescale.integration.config import (
     ByteScaleConfig,
     add_bytescale_args,
     field_docstrings,
+    given_flags,
 )
 
 EXPECTED_FLAGS = {
@@ -171,3 +172,19 @@ def test_the_ray_loader_flags():
         ByteScaleConfig(dataloader="ray", plan_mode="rank0_broadcast")
     with pytest.raises(SystemExit):
         _parser().parse_args(["--bytescale-dataloader", "remote"])
+
+
+def test_given_flags_lists_each_flag_on_the_command_line_once_in_order():
+    """What the refusal without --bytescale-hdp names: every --bytescale-* flag given, once
+    (a repeated flag too), in command-line order, whatever its value; the values parse as
+    argparse's own store would (the last one wins, bool flags store their constant)."""
+    parser = add_bytescale_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--bytescale-capacity", "64", "--bytescale-offload", "--bytescale-capacity",
+                              "128", "--no-bytescale-check-plan-hash", "--bytescale-scheduler", "balance"])
+    assert given_flags(args) == ["--bytescale-capacity", "--bytescale-offload",
+                                 "--no-bytescale-check-plan-hash", "--bytescale-scheduler"]
+    assert (args.bytescale_capacity, args.bytescale_offload, args.bytescale_check_plan_hash,
+            args.bytescale_scheduler) == (128, True, False, "balance")
+    defaults = parser.parse_args([])
+    assert given_flags(defaults) == [] and given_flags(argparse.Namespace()) == []
+    assert defaults.bytescale_offload is False and defaults.bytescale_check_plan_hash is True

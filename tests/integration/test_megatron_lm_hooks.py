@@ -261,7 +261,8 @@ def test_bytescale_flags_without_the_switch_are_refused_naming_them(argv, capsys
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("megatron_bytescale: error: "), err
         assert ", ".join(flags) + " given without --bytescale-hdp" in err
-        assert "add --bytescale-hdp" in err
+        assert "add --bytescale-hdp (or --no-bytescale-hdp to run plain Megatron on purpose)" in err
+        assert ("and ignore them;" if len(flags) > 1 else "and ignore it;") in err  # each flag named
     assert len(megatron_lm.hdp_refusals(megatron_namespace(*argv))) == 1
     with_switch = megatron_lm.hdp_refusals(megatron_namespace("--bytescale-hdp", *argv))
     assert not any("without --bytescale-hdp" in reason for reason in with_switch)

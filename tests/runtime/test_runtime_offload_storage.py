@@ -185,6 +185,56 @@ def test_a_view_kept_resident_keeps_its_whole_storage_resident(x0):
     assert offloader.pool.in_use_bytes == 0 and offloader.resident_bytes == 0
 
 
+class ReusesAnAddress(torch.nn.Module):
+    """Saves ``a``, a tensor over a buffer's memory, lets ``a``'s storage die, then saves ``b``:
+    a new storage at the same address (as the caching allocator hands out a freed block again
+    within one forward). ``torch.frombuffer`` makes the reuse certain: both storages are views
+    of ``memory``, not of blocks the allocator may or may not reuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = bytearray(T * H * 4)
+        self.values: list[torch.Tensor] = []
+        self.addresses: list[int] = []
+
+    def _over_memory(self, seed: int) -> torch.Tensor:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns that a bytearray is writable
+            t = torch.frombuffer(self.memory, dtype=torch.float32).view(T, 1, H)
+        t.copy_(torch.randn(T, 1, H, generator=torch.Generator().manual_seed(seed)))
+        self.values.append(t.clone())
+        self.addresses.append(t.untyped_storage().data_ptr())
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = (x * self._over_memory(1)).sum()  # mul saves a (needed for x's gradient)
+        # a is gone: its storage died (the offloader holds only its host copy)
+        second = (x * self._over_memory(2)).sum()  # b: same address, another storage
+        return first + second
+
+
+def test_a_new_storage_at_a_freed_storages_address_is_offloaded_on_its_own():
+    """Storages are told apart by identity, not only address: ``b`` (at the address of ``a``,
+    which died in the same forward) gets its own copy and backward reads ``b``'s values, not
+    those of ``a``'s copy."""
+    layer = ReusesAnAddress()
+    layers = torch.nn.ModuleList([layer, torch.nn.Identity(), torch.nn.Identity()])  # layer 0 offloadable
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with offloader.micro_batch(1.0, num_tokens=T):
+        loss = layers[0](x * 1.0)
+    assert layer.addresses[0] == layer.addresses[1]  # the case under test happened
+    loss.backward()
+    a, b = layer.values
+    assert not torch.equal(a, b)
+    assert torch.equal(x.grad, a + b), "backward must read each storage's own values"
+    stats = offloader.end_step()
+    assert stats.offloaded_tensors == 2 and stats.offloaded_bytes == stats.reloaded_bytes == 2 * T * H * 4
+    assert stats.prefetched_reloads + stats.on_demand_reloads == 2
+
+
 # ------------------------------------------------------------- the CUDA stream path's ordering
 class Recorder(HostStreamOps):
     """Host stand-ins that log every stream operation (the order the CUDA path would run)."""
