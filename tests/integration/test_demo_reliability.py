@@ -146,6 +146,7 @@ def _cleanup(settings: Path) -> None:
             pass
 
 
+@pytest.mark.one_lane(reason="torchrun's and the launcher's signal handling, the same with any megatron-core")
 @pytest.mark.parametrize("sig, code, said", [
     (signal.SIGTERM, 128 + signal.SIGTERM, "stopped by SIGTERM"),
     (signal.SIGINT, 128 + signal.SIGINT, "interrupted (SIGINT)"),
@@ -173,6 +174,7 @@ def test_a_signal_to_the_demo_alone_stops_torchrun_and_every_worker(tmp_path, si
         _cleanup(settings)
 
 
+@pytest.mark.one_lane(reason="torchrun's and the launcher's stopped-worker watchdog, the same with any megatron-core")
 def test_a_stopped_worker_ends_the_job_naming_its_rank(tmp_path):
     from megatron_bytescale.planner.cost_model import CostModel
 

@@ -51,3 +51,25 @@ def test_imports_are_followed_through_modules_functions_and_relative_imports(tmp
 def test_the_marker_is_given_at_collection(request):
     assert MARKER == "megatron"
     assert request.node.get_closest_marker(MARKER) is None  # this module touches no megatron
+
+
+def test_one_lane_tests_leave_the_second_lane_and_give_a_reason():
+    """``one_lane`` takes a Megatron test off the second lane only, never silently."""
+    import subprocess
+    import sys
+
+    target = "tests/integration/test_demo_reliability.py"
+    source = (ROOT / target).read_text()
+    marked = source.count("@pytest.mark.one_lane(reason=")
+    assert marked == source.count("one_lane") >= 2  # every use gives its reason
+
+    def collected(*args: str) -> set[str]:
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args, target],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return {line for line in done.stdout.splitlines() if "::" in line}
+
+    every, lane2 = collected(), collected("-m", "megatron")
+    off = every - lane2
+    assert lane2 and off and all("stop" in name or "signal" in name for name in off), off
+    assert len(off) == 3  # the two signal cases and the stopped worker
