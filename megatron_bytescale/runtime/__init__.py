@@ -13,6 +13,7 @@ from .backends import (
     accumulation_dtype,
     get_backend,
 )
+from .chunked_attention import ChunkLayout, ChunkPrefix, chunked_ring_attention, make_chunk_layout
 from .counters import CommCounters, MicroBatchCommStats, StepCommStats
 from .hdp_group import HDPGroup, Ring, new_ring_groups
 from .layout import (
@@ -50,6 +51,10 @@ from .ring_step import (
 from .two_level_ring import two_level_ring_attention
 
 __all__ = [
+    "ChunkLayout",
+    "ChunkPrefix",
+    "chunked_ring_attention",
+    "make_chunk_layout",
     "new_ring_groups",
     "AttentionBlock",
     "attention_block",
