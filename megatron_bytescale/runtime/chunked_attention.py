@@ -31,16 +31,12 @@ the first chunk's forward to the last backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
-
 import torch
 
-from ..planner.zigzag import causal_chunks
 from .backends import AttentionBackend, accumulation_dtype
+from .chunk_layout import ChunkLayout, make_chunk_layout
 from .counters import CommCounters, MicroBatchCommStats, timed
-from .hdp_group import HDPGroup, Ring
-from .layout import AttentionLayout, make_attention_layout
+from .hdp_group import HDPGroup
 from .online_softmax import merge_partial_attention
 from .ring_comm import RingComm
 from .ring_schedule import AttentionBlock, iter_spans, prepare_device_metadata, take_rows
@@ -52,62 +48,10 @@ from .ring_step import (
     start_ring_forward,
 )
 
+__all__ = ["ChunkLayout", "ChunkPrefix", "chunked_ring_attention", "make_chunk_layout"]
+
 _TAG_KV = 1  # the same channels as ring attention: a chunk is one ring micro-batch on the wire
 _TAG_DKV = 2
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """Chunk ``chunk`` of ``num_chunks`` of one ring micro-batch on one member.
-
-    ``layout`` is an ordinary :class:`AttentionLayout` of the chunk's token ranges taken as
-    sequences of their own (causal among themselves, zigzagged over the ring); ``starts[s]`` is
-    where slot ``s``'s range begins in its original sequence. Documents whose chunk is empty
-    (shorter than ``num_chunks``) have no slot.
-    """
-
-    layout: AttentionLayout
-    chunk: int
-    num_chunks: int
-    starts: tuple[int, ...]
-
-    @property
-    def ring(self) -> Ring:
-        return self.layout.ring
-
-    def global_positions(self) -> torch.Tensor:
-        """Long ``[num_tokens]``: every row's position in its original sequence, -1 on padding."""
-        positions = self.layout.global_positions()
-        for slot, start in zip(self.layout.slots, self.starts):
-            positions[slot.offset : slot.offset + slot.num_real] += start
-        return positions
-
-
-def make_chunk_layout(
-    ring: Ring,
-    sequences: Iterable[tuple[int, int]],
-    *,
-    chunk: int,
-    num_chunks: int,
-    align: int = 1,
-) -> ChunkLayout:
-    """The layout of chunk ``chunk`` of ``sequences`` (``(seq_id, whole length)``) on ``ring``."""
-    if num_chunks < 1 or not 0 <= chunk < num_chunks:
-        raise ValueError(f"chunk {chunk} of {num_chunks}: need num_chunks >= 1 and 0 <= chunk < num_chunks")
-    pieces, starts = [], []
-    sequences = list(sequences)
-    for seq, length in sequences:
-        a, b = causal_chunks(int(length), num_chunks)[chunk]
-        if b > a:
-            pieces.append((seq, b - a))
-            starts.append(a)
-    if not pieces:
-        raise ValueError(
-            f"chunk {chunk} of {num_chunks} holds no token of sequences {[s for s, _ in sequences]}; "
-            f"split a ring micro-batch into at most as many chunks as its longest sequence has tokens"
-        )
-    layout = make_attention_layout(ring, pieces, align=align)
-    return ChunkLayout(layout=layout, chunk=chunk, num_chunks=num_chunks, starts=tuple(starts))
 
 
 class ChunkPrefix:

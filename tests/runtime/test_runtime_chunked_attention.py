@@ -47,3 +47,37 @@ def test_chunked_attention_matches_full_sequence_reference():
         assert len(messages) == 2, messages
         assert "forward out of order" in messages[0]
         assert "backward out of order" in messages[1]
+
+
+def test_chunk_micro_batches_from_a_plan_hold_every_token_once_with_global_labels():
+    import torch
+
+    from megatron_bytescale.planner.plan import PlanBuilder
+    from megatron_bytescale.runtime import build_micro_batch, chunk_layout_for, layout_for
+
+    lengths = {0: 50, 1: 30, 2: 9, 4: 2, 5: 13}
+    b = PlanBuilder(hdp_size=4, capacity=64, lengths=lengths, align=2)
+    b.add((0, 1), (0, 1), num_chunks=2)
+    b.add((2,), (5, 4), num_chunks=3)
+    b.add((3,), (2,))
+    plan = b.build(scheduler="x", pp_size=2, layers_per_stage=4).validate()
+    tokens = {s: torch.arange(n) + 100 * s + 1 for s, n in lengths.items()}  # id: 100 s + pos + 1
+    seen: dict[tuple[int, int], int] = {}
+    for rank in range(4):
+        for index, mb in enumerate(plan.ranks[rank].micro_batches):
+            t = build_micro_batch(plan, rank, index, tokens)
+            assert (t.chunk is None) == (mb.chunk is None)
+            if mb.chunk is not None:
+                assert t.chunk.chunk == mb.chunk[0] and t.layout is t.chunk.layout
+                with pytest.raises(ValueError, match="use chunk_layout_for"):
+                    layout_for(plan, rank, index)
+                assert chunk_layout_for(plan, rank, index).starts == t.chunk.starts
+            real = t.layout.real_mask()
+            for tok, lab, mask, pos in zip(t.tokens[real].tolist(), t.labels[real].tolist(),
+                                           t.loss_mask[real].tolist(), t.position_ids[real].tolist()):
+                seq, at = divmod(tok - 1, 100)
+                assert at == pos, "position ids are positions in the whole sequence"
+                last = pos == lengths[seq] - 1
+                assert mask == (0.0 if last else 1.0) and (last or lab == tok + 1)
+                seen[(seq, pos)] = seen.get((seq, pos), 0) + 1
+    assert seen == {(s, p): 1 for s, n in lengths.items() for p in range(n)}
