@@ -92,6 +92,12 @@ class ChunkPrefix:
     def _start_forward(self, cl: ChunkLayout) -> None:
         if cl.num_chunks != self.num_chunks:
             raise ValueError(f"chunk layout is for {cl.num_chunks} chunks, this prefix keeps {self.num_chunks}")
+        if cl.chunk < self._forwarded:
+            raise RuntimeError(
+                f"chunk {cl.chunk} forward ran twice: a chunk of a split micro-batch runs its "
+                f"attention forward once (recomputing it, as activation recomputation does, is "
+                f"not supported; turn recomputation off for plans with chunks)"
+            )
         if cl.chunk != self._forwarded:
             raise RuntimeError(
                 f"chunk {cl.chunk} forward out of order: chunks of one micro-batch run forward in "

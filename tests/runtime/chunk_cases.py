@@ -187,6 +187,12 @@ def order_errors(rank: int, hdp) -> list[str]:
     except RuntimeError as exc:
         messages.append(str(exc))
     prefix = ChunkPrefix(2)
+    chunked_ring_attention(*qkv(layouts[0]), layouts[0], prefix, hdp)
+    try:  # what activation recomputation would do
+        chunked_ring_attention(*qkv(layouts[0]), layouts[0], prefix, hdp)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    prefix = ChunkPrefix(2)
     outs = [chunked_ring_attention(*qkv(cl), cl, prefix, hdp) for cl in layouts]
     try:
         outs[0].sum().backward()

@@ -44,9 +44,10 @@ def test_chunked_attention_matches_full_sequence_reference():
         if case["num_chunks"] > 1:  # the prefix was really kept (not recomputed or re-sent)
             assert all(r[ci]["kept_bytes"] > 0 for r in results)
     for messages in (r[-1] for r in results):
-        assert len(messages) == 2, messages
+        assert len(messages) == 3, messages
         assert "forward out of order" in messages[0]
-        assert "backward out of order" in messages[1]
+        assert "forward ran twice" in messages[1]
+        assert "backward out of order" in messages[2]
 
 
 def test_chunk_micro_batches_from_a_plan_hold_every_token_once_with_global_labels():
