@@ -125,7 +125,7 @@ class ByteScaleCoreAttention(MegatronModule):
         k_TNH = key[:rows, 0].contiguous()
         v_TNH = value[:rows, 0].contiguous()
         current = manager.current
-        if current.chunk is not None:  # a chunk of a split micro-batch: attends to kept K/V too
+        if getattr(current, "chunk", None) is not None:  # a chunk of a split micro-batch: attends to kept K/V too
             from megatron_bytescale.runtime import ChunkPrefix, chunked_ring_attention
 
             if current.chunk_prefixes is None:
