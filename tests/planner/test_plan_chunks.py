@@ -136,3 +136,33 @@ def test_builder_refuses_bad_chunk_requests():
         b.add((0, 1), (0,), num_chunks=0)
     with pytest.raises(ValueError, match="splits cannot"):
         b.add((0, 1), (0,), num_chunks=2, splits={0: zigzag_split(50, 2)})
+
+
+def test_split_micro_batch_turns_a_plans_ring_into_chunks():
+    from megatron_bytescale.planner.chunk_split import split_micro_batch
+
+    b = PlanBuilder(hdp_size=4, capacity=64, lengths=LENGTHS, align=2)
+    b.add((0, 1), (0, 1))  # order 0
+    b.add((2,), (5, 4))  # 1
+    b.add((3,), (2,))  # 2
+    b.add((1, 0), (3,))  # 3
+    plan = b.build(scheduler="x", pp_size=2, layers_per_stage=4).validate()
+    split = split_micro_batch(plan, 0, 3)
+    assert [(mb.order, mb.chunk) for mb in split.ranks[0].micro_batches] == [
+        (0, (0, 3)), (1, (1, 3)), (2, (2, 3)), (5, None)]
+    assert [mb.order for mb in split.ranks[2].micro_batches] == [3]
+    assert split.content_hash() != plan.content_hash() and split.estimate is None
+    # the ring's tokens stay on its members (each chunk zigzagged on its own: shares may move
+    # by a few tokens between them); every token once is validate()'s
+    held = [sum(mb.num_tokens for mb in rp.micro_batches) for p in (split, plan) for rp in p.ranks]
+    assert held[0] + held[1] == held[4] + held[5] and held[2:4] == held[6:8]
+    twice = split_micro_batch(split, 3, 2)  # the local ring of rank 2, 13 and 2 tokens
+    assert [mb.chunk for mb in twice.ranks[2].micro_batches] == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="already chunk"):
+        split_micro_batch(split, 1, 2)
+    with pytest.raises(ValueError, match="no micro-batch of order 9"):
+        split_micro_batch(plan, 9, 2)
+    with pytest.raises(ValueError, match="at most 9"):
+        split_micro_batch(plan, 2, 10)
+    with pytest.raises(ValueError, match="pp_size >= 2"):
+        split_micro_batch(b.build(scheduler="x", pp_size=1, layers_per_stage=4), 0, 2)
