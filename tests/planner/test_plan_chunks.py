@@ -166,3 +166,19 @@ def test_split_micro_batch_turns_a_plans_ring_into_chunks():
         split_micro_batch(plan, 2, 10)
     with pytest.raises(ValueError, match="pp_size >= 2"):
         split_micro_batch(b.build(scheduler="x", pp_size=1, layers_per_stage=4), 0, 2)
+
+
+def test_split_micro_batch_on_timing_only_plans_keeps_rings_aligned():
+    from megatron_bytescale.planner.chunk_split import split_micro_batch
+    from megatron_bytescale.planner.schedulers._common import FastPlanBuilder
+
+    b = FastPlanBuilder(pieces=False, hdp_size=3, capacity=64, lengths={0: 100, 1: 9, 2: 80})
+    b.add((0, 1), (0,))  # order 0: local 0 on ranks 0 and 1
+    b.add((2,), (1,))  # 1: local 0 on rank 2
+    b.add((0, 1, 2), (2,))  # 2: local 1 on every rank
+    plan = b.build(scheduler="x", pp_size=2, layers_per_stage=4)
+    with pytest.raises(ValueError, match="local indices"):  # ranks 0 and 1 grow, rank 2 not
+        split_micro_batch(plan, 0, 2)
+    split = split_micro_batch(plan, 2, 4)  # the last ring: nothing after it moves
+    assert [mb.chunk for mb in split.ranks[2].micro_batches] == [None, (0, 4), (1, 4), (2, 4), (3, 4)]
+    assert all(not mb.pieces for rp in split.ranks for mb in rp.micro_batches)
