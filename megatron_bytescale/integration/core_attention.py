@@ -124,6 +124,26 @@ class ByteScaleCoreAttention(MegatronModule):
         q_TNH = query[:rows, 0].contiguous()
         k_TNH = key[:rows, 0].contiguous()
         v_TNH = value[:rows, 0].contiguous()
+        current = manager.current
+        if getattr(current, "chunk", None) is not None:  # a chunk of a split micro-batch: attends to kept K/V too
+            from megatron_bytescale.runtime import ChunkPrefix, chunked_ring_attention
+
+            if current.chunk_prefixes is None:
+                raise ValueError(
+                    f"micro-batch of order {current.order} is chunk {current.chunk.chunk} of "
+                    f"{current.chunk.num_chunks} but has no shared prefixes; split micro-batches "
+                    "run only in the pipeline driver"
+                )
+            prefix = current.chunk_prefixes.setdefault(
+                self.layer_number, ChunkPrefix(current.chunk.num_chunks)
+            )
+            out_TNH = chunked_ring_attention(
+                q_TNH, k_TNH, v_TNH, current.chunk, prefix, manager.hdp,
+                softmax_scale=self.softmax_scale, backend=manager.attention_backend,
+                counters=manager.counters,
+            )  # fmt: skip
+            out = out_TNH.reshape(rows, 1, -1)
+            return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail)) if tail else out
         if manager.two_level_topology is not None:
             from megatron_bytescale.runtime import two_level_ring_attention
 

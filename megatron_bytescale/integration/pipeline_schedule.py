@@ -50,9 +50,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from megatron_bytescale.planner.order import pipeline_ops
-
 from .busy_clock import busy_clock
+from .chunk_schedule import share_chunk_prefixes, stage_ops
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
 from .schedule import (
@@ -102,7 +101,8 @@ def run_pipeline_micro_batches(
     pp, stage = rank_map.pp_size, rank_map.pp_rank
     first, last = rank_map.is_first_stage, rank_map.is_last_stage
     count = step.num_micro_batches
-    ops = [op for op in pipeline_ops(count, pp, stage) if not (forward_only and op[0] == "B")]
+    # 1F1B; the chunks of a split micro-batch run their backwards reversed (chunk_schedule)
+    ops = [op for op in stage_ops(step, pp, stage) if not (forward_only and op[0] == "B")]
 
     # shapes come from the plan (see the module docstring), so no shape exchange
     comm_config = copy.copy(config)
@@ -111,10 +111,11 @@ def run_pipeline_micro_batches(
                           config=comm_config)
     builder = step.micro_batch_tensors()
     tensors: list["MicroBatchTensors"] = []
+    prefixes: dict[int, dict] = {}  # kept K/V per split micro-batch, alive across its chunks
 
     def micro_batch(i: int) -> "MicroBatchTensors":
         while len(tensors) <= i:
-            tensors.append(next(builder))
+            tensors.append(share_chunk_prefixes(next(builder), prefixes))
         return tensors[i]
 
     def shape(i: int) -> tuple[int, int, int]:
@@ -144,8 +145,10 @@ def run_pipeline_micro_batches(
             if phase == "F":
                 if counters is not None:
                     traffic[i] = counters.start_micro_batch(mb.order)
-                with records[i].timed(), micro_batch_scope(manager, mb, counters, phase="forward",
-                                                           offloader=offloader):
+                with records[i].timed(), micro_batch_scope(  # chunks are not offloaded
+                    manager, mb, counters, phase="forward",
+                    offloader=offloader if mb.chunk is None else None,
+                ):
                     output, num_tokens = megatron_forward_step(
                         forward_step_func, iter([mb]), model, num_microbatches=count,
                         forward_data_store=forward_data_store, config=config,

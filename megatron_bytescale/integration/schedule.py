@@ -311,6 +311,9 @@ def run_micro_batches(
             offloader=offloader,
         )  # fmt: skip
     check_plan_pipeline(step, 1)
+    from .chunk_schedule import refuse_chunks_without_pipeline
+
+    refuse_chunks_without_pipeline(step)
     count = step.num_micro_batches
     no_sync = config.no_sync_func or contextlib.nullcontext
     records: list[MicroBatchRecord] = []

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .chunk_estimate import chunk_costs, has_chunks, simulate_chunked
 from .cost_model import CostModel
 from .offload import max_zigzag_share_array
 from .order import Simulation, simulate
@@ -187,6 +188,9 @@ def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False
                   topology: Topology | None = None) -> tuple[MicroBatchCosts, Simulation]:
     """Costs of every micro-batch and the timed simulation of the whole plan."""
     costs = micro_batch_costs(plan, cost_model, topology)
+    if has_chunks(plan):  # split micro-batches: chunk costs, each group's backwards reversed
+        costs = chunk_costs(plan, cost_model, costs)
+        return costs, Simulation(rank_finish_s=simulate_chunked(plan, costs, cost_model.forward_fraction))
     if plan.pp_size == 1 and not record:
         return costs, Simulation(rank_finish_s=_sequential_finish(plan, costs))
     durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))

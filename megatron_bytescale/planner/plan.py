@@ -16,6 +16,12 @@ Terms:
                1, the zigzag share (parts i and 2N-1-i, see :mod:`.zigzag`) on a larger ring.
                Any contiguous split into 2N parts is valid (the planner cuts parts of
                ceil(L / 2N) tokens); the runtime pads every part to the largest one.
+    chunk      ``(i, k)`` on a ring micro-batch split along the pipeline into k causal chunks
+               (Seq1F1B-style, docs/pipeline.md): chunk i carries positions
+               ``[floor(i L / k), floor((i + 1) L / k))`` of every sequence (:func:`.causal_chunks`),
+               zigzagged over the ring on its own; the k chunks have consecutive orders and sit
+               at consecutive local indices on every member. None (the default, and not written
+               to JSON, so older plans keep their hash) for an unsplit micro-batch.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from functools import cached_property
 from typing import Any, Iterable, Mapping
 
 from .inputs import loads_json
-from .zigzag import Span, zigzag_split, zigzag_split_from_shares
+from .zigzag import Span, causal_chunks, zigzag_split, zigzag_split_from_shares
 
 PLAN_VERSION = 1
 
@@ -72,6 +78,7 @@ class MicroBatch:
     offload_ratio: float = 0.0
     seqs: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    chunk: tuple[int, int] | None = None
 
     @property
     def ring_size(self) -> int:
@@ -154,30 +161,60 @@ class StepPlan:
         """
         return self._zigzag_splits
 
+    def chunk_zigzag_splits(self) -> Mapping[tuple[int, int], tuple[Span, ...]]:
+        """The parts of every chunk of a split micro-batch, by ``(sequence id, chunk index)``.
+
+        Like :meth:`zigzag_splits`, but relative to the chunk's start in its sequence: the
+        ``2N`` ranges tile ``[0, chunk length)``. Sequences of unsplit micro-batches are not in
+        it (and chunked ones are not in :meth:`zigzag_splits`).
+        """
+        return self._chunk_splits
+
     @cached_property
     def _zigzag_splits(self) -> dict[int, tuple[Span, ...]]:
+        return self._splits(chunked=False)  # type: ignore[return-value]
+
+    @cached_property
+    def _chunk_splits(self) -> dict[tuple[int, int], tuple[Span, ...]]:
+        return self._splits(chunked=True)  # type: ignore[return-value]
+
+    def _splits(self, *, chunked: bool) -> dict[Any, tuple[Span, ...]]:
         lengths = self.sequence_lengths()
-        shares: dict[int, dict[int, list[Span]]] = defaultdict(dict)
-        ring_of: dict[int, tuple[int, ...]] = {}
+        shares: dict[Any, dict[int, list[Span]]] = defaultdict(dict)
+        ring_of: dict[Any, tuple[int, ...]] = {}
+        span_of: dict[Any, Span] = {}
         for rank_plan in self.ranks:
             for mb in rank_plan.micro_batches:
+                if (mb.chunk is not None) != chunked:
+                    continue
                 position = mb.ring.index(rank_plan.rank) if rank_plan.rank in mb.ring else -1
                 for sid in mb.seqs:
-                    ring_of[sid] = mb.ring
-                    shares[sid].setdefault(position, [])
+                    key = sid if mb.chunk is None else (sid, mb.chunk[0])
+                    if sid not in lengths:
+                        raise PlanError(f"pieces name unknown sequence {sid}")
+                    ring_of[key] = mb.ring
+                    span_of[key] = (
+                        (0, lengths[sid]) if mb.chunk is None
+                        else causal_chunks(lengths[sid], mb.chunk[1])[mb.chunk[0]]
+                    )
+                    shares[key].setdefault(position, [])
                 for piece in mb.pieces:
-                    shares[piece.seq].setdefault(position, []).append((piece.start, piece.end))
-        splits: dict[int, tuple[Span, ...]] = {}
-        for sid, by_position in shares.items():
-            ring = ring_of.get(sid, ())
-            if sid not in lengths:
-                raise PlanError(f"pieces name unknown sequence {sid}")
+                    key = piece.seq if mb.chunk is None else (piece.seq, mb.chunk[0])
+                    shift = span_of[key][0] if key in span_of else 0
+                    shares[key].setdefault(position, []).append((piece.start - shift, piece.end - shift))
+        splits: dict[Any, tuple[Span, ...]] = {}
+        for key, by_position in shares.items():
+            ring = ring_of.get(key, ())
+            if key not in span_of:
+                raise PlanError(f"pieces name sequence {key} outside their micro-batch's seqs")
+            a, b = span_of[key]
+            what = f"sequence {key}" if not chunked else f"sequence {key[0]} chunk {key[1]}"
             try:
-                splits[sid] = zigzag_split_from_shares(
-                    lengths[sid], [by_position.get(p, []) for p in range(len(ring))]
+                splits[key] = zigzag_split_from_shares(
+                    b - a, [by_position.get(p, []) for p in range(len(ring))]
                 )
             except ValueError as exc:
-                raise PlanError(f"sequence {sid} on ring {list(ring)}: {exc}") from None
+                raise PlanError(f"{what} on ring {list(ring)}: {exc}") from None
         return splits
 
     # ------------------------------------------------------------------ JSON
@@ -204,6 +241,7 @@ class StepPlan:
                             "pieces": [
                                 {"seq": p.seq, "start": p.start, "end": p.end} for p in mb.pieces
                             ],
+                            **({"chunk": list(mb.chunk)} if mb.chunk is not None else {}),
                         }
                         for mb in r.micro_batches
                     ],
@@ -370,6 +408,12 @@ def _micro_batch_from_dict(mb: Mapping[str, Any], where: str) -> MicroBatch:
         raise PlanError(f"malformed plan: {where} must be an object, got {type(mb).__name__}")
     pieces = _as_list(mb["pieces"], f"{where}.pieces")
     seqs = mb["seqs"] if "seqs" in mb else _seqs_of(pieces)
+    chunk = None
+    if mb.get("chunk") is not None:
+        pair = _as_list(mb["chunk"], f"{where}.chunk")
+        if len(pair) != 2:
+            raise PlanError(f"malformed plan: {where}.chunk must be [index, count], got {pair!r:.60}")
+        chunk = (_as_int(pair[0], f"{where}.chunk"), _as_int(pair[1], f"{where}.chunk"))
     return MicroBatch(
         order=_as_int(mb["order"], f"{where}.order"),
         ring=tuple(_as_int(x, f"{where}.ring") for x in _as_list(mb["ring"], f"{where}.ring")),
@@ -381,6 +425,7 @@ def _micro_batch_from_dict(mb: Mapping[str, Any], where: str) -> MicroBatch:
                   end=_as_int(p["end"], f"{where}.pieces[{k}].end"))
             for k, p in enumerate(pieces)
         ),
+        chunk=chunk,
     )
 
 
@@ -441,6 +486,7 @@ def _validate(plan: StepPlan) -> None:
     rings: dict[int, tuple[tuple[int, ...], float, tuple[int, ...], dict[int, int]]] = {}
     covered: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     seq_order: dict[int, int] = {}
+    chunk_of: dict[int, tuple[int, int] | None] = {}
     for idx, rp in enumerate(plan.ranks):
         if rp.rank != idx:
             raise PlanError(f"rank entry {idx} says rank {rp.rank}; entries must be in rank order")
@@ -461,6 +507,10 @@ def _validate(plan: StepPlan) -> None:
                 raise PlanError(f"{where}: offload_ratio {mb.offload_ratio} must be in [0, 1]")
             if not mb.seqs:
                 raise PlanError(f"{where}: carries no sequence")
+            if mb.chunk is not None:
+                _check_chunk_field(mb, where)
+            if chunk_of.setdefault(mb.order, mb.chunk) != mb.chunk:
+                raise PlanError(f"{where}: chunk {mb.chunk} differs from another member's {chunk_of[mb.order]}")
             prev = rings.get(mb.order)
             if prev is None:
                 rings[mb.order] = (ring, mb.offload_ratio, mb.seqs, {idx: local})
@@ -471,13 +521,15 @@ def _validate(plan: StepPlan) -> None:
                 if mb.offload_ratio != poff or mb.seqs != pseqs:
                     raise PlanError(f"{where}: offload ratio or sequences differ between ring members")
                 members[idx] = local
+            group = mb.order if mb.chunk is None else mb.order - mb.chunk[0]  # a split one: chunk 0
             for sid in mb.seqs:
                 if sid not in lengths:
                     raise PlanError(f"{where}: unknown sequence {sid}")
-                if seq_order.setdefault(sid, mb.order) != mb.order:
+                if seq_order.setdefault(sid, group) != group:
                     raise PlanError(
                         f"sequence {sid}: pieces sit in micro-batches of orders "
-                        f"{seq_order[sid]} and {mb.order}; one sequence belongs to one ring micro-batch"
+                        f"{seq_order[sid]} and {mb.order}; one sequence belongs to one ring micro-batch "
+                        f"(or to the chunks of one split micro-batch)"
                     )
             _check_piece_order(mb, where)
             for p in mb.pieces:
@@ -499,6 +551,8 @@ def _validate(plan: StepPlan) -> None:
                 f"at the same local index, got {dict(sorted(members.items()))}"
             )
 
+    _check_chunk_groups(rings, chunk_of, lengths)
+
     for sid in covered:
         if sid not in lengths:
             raise PlanError(f"pieces name unknown sequence {sid}")
@@ -513,6 +567,57 @@ def _validate(plan: StepPlan) -> None:
         if pos != length:
             raise PlanError(f"sequence {sid}: tokens {pos}-{length - 1} are in no piece")
     plan.zigzag_splits()  # every token once: now the pieces must be a contiguous zigzag split
+    plan.chunk_zigzag_splits()  # ... of the whole sequence, or of each chunk of a split one
+
+
+def _check_chunk_field(mb: MicroBatch, where: str) -> None:
+    chunk = mb.chunk
+    if chunk is None or len(chunk) != 2 or not 0 <= chunk[0] < chunk[1] or chunk[1] < 2:
+        raise PlanError(f"{where}: chunk {chunk} must be (index, count) with count >= 2 and "
+                        f"0 <= index < count; leave it unset on an unsplit micro-batch")
+    if mb.offload_ratio != 0.0:
+        raise PlanError(f"{where}: chunk {chunk[0]} of {chunk[1]} has offload ratio "
+                        f"{mb.offload_ratio}; the chunks of a split micro-batch do not offload, use 0")
+
+
+def _check_chunk_groups(
+    rings: Mapping[int, tuple[tuple[int, ...], float, tuple[int, ...], dict[int, int]]],
+    chunk_of: Mapping[int, tuple[int, int] | None],
+    lengths: Mapping[int, int],
+) -> None:
+    """The k chunks of a split micro-batch: consecutive orders, one ring, consecutive local
+    indices on every member, and chunk i carries exactly the sequences with tokens in it."""
+    for order, chunk in chunk_of.items():
+        if chunk is None:
+            continue
+        i, k = chunk
+        first = order - i
+        ring, _, seqs, members = rings[order]
+        for j in range(k):
+            other = first + j
+            if chunk_of.get(other) != (j, k):
+                found = "missing" if other not in chunk_of else f"chunk {chunk_of[other]}"
+                raise PlanError(
+                    f"order {order} is chunk {i} of {k}, so order {other} must be chunk {j} of {k}, "
+                    f"but it is {found}; the chunks of a split micro-batch have consecutive orders"
+                )
+            oring, _, _, omembers = rings[other]
+            if oring != ring:
+                raise PlanError(f"order {other} (chunk {j} of {k}) runs on ring {list(oring)}, order "
+                                f"{order} (chunk {i}) on {list(ring)}; all chunks share one ring")
+            for member, local in members.items():
+                if omembers.get(member) != local - i + j:
+                    raise PlanError(
+                        f"rank {member} holds chunk {i} of {k} (order {order}) at local index {local} "
+                        f"but chunk {j} (order {other}) at {omembers.get(member)}; the chunks must sit "
+                        f"at consecutive local indices"
+                    )
+        group_seqs = rings[first + k - 1][2]  # every sequence has tokens in the last chunk
+        want = tuple(s for s in group_seqs
+                     if s in lengths and causal_chunks(lengths[s], k)[i][1] > causal_chunks(lengths[s], k)[i][0])
+        if seqs != want:
+            raise PlanError(f"order {order} (chunk {i} of {k}) carries sequences {list(seqs)}, expected "
+                            f"{list(want)} (those of the last chunk with tokens in chunk {i}, same order)")
 
 
 def _check_piece_order(mb: MicroBatch, where: str) -> None:
@@ -541,16 +646,27 @@ def build_ring_micro_batches(
     align: int = 1,
     offload_ratio: float = 0.0,
     splits: Mapping[int, Iterable[Span]] | None = None,
+    chunk: tuple[int, int] | None = None,
 ) -> dict[int, MicroBatch]:
     """The micro-batch of every member of ``ring`` carrying ``seqs`` (zigzag shares).
 
     ``splits`` states the 2N parts of a sequence (default: the planner's :func:`zigzag_split`).
+    ``chunk`` ``(i, k)``: build chunk i of the micro-batch split into k causal chunks instead
+    (only the sequences with tokens in it; ``splits`` then relative to the chunk's start).
     """
     ring_t = tuple(int(r) for r in ring)
     seqs_t = tuple(int(s) for s in seqs)
     n = len(ring_t)
+    start = {sid: 0 for sid in seqs_t}
+    size = {sid: lengths[sid] for sid in seqs_t}
+    if chunk is not None:
+        spans = {sid: causal_chunks(lengths[sid], chunk[1])[chunk[0]] for sid in seqs_t}
+        seqs_t = tuple(sid for sid in seqs_t if spans[sid][1] > spans[sid][0])
+        start = {sid: spans[sid][0] for sid in seqs_t}
+        size = {sid: spans[sid][1] - spans[sid][0] for sid in seqs_t}
     parts = {
-        sid: tuple((splits or {}).get(sid) or zigzag_split(lengths[sid], n, align))
+        sid: tuple((a + start[sid], b + start[sid]) for a, b in
+                   ((splits or {}).get(sid) or zigzag_split(size[sid], n, align)))
         for sid in seqs_t
     }
     out: dict[int, MicroBatch] = {}
@@ -563,7 +679,8 @@ def build_ring_micro_batches(
             if parts[sid][k][1] > parts[sid][k][0]
         )
         out[rank] = MicroBatch(
-            order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces
+            order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces,
+            chunk=chunk,
         )
     return out
 
@@ -597,24 +714,35 @@ class PlanBuilder:
         offload_ratio: float = 0.0,
         *,
         splits: Mapping[int, Iterable[Span]] | None = None,
+        num_chunks: int = 1,
     ) -> int:
-        """Append one ring micro-batch to every member's list; returns its order number.
+        """Append one ring micro-batch to every member's list; returns its (first) order number.
 
         ``splits`` optionally states a sequence's 2N zigzag parts (any contiguous split).
+        ``num_chunks`` > 1 splits it along the pipeline: k micro-batches, chunks 0..k-1 of one
+        ring with consecutive orders (each chunk zigzagged with the planner's split).
         """
-        order = self._next_order
-        self._next_order += 1
-        for rank, mb in build_ring_micro_batches(
-            order=order,
-            ring=ring,
-            seqs=seqs,
-            lengths=self.lengths,
-            align=self.align,
-            offload_ratio=offload_ratio,
-            splits=splits,
-        ).items():
-            self.per_rank[rank].append(mb)
-        return order
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks ({num_chunks}) must be >= 1")
+        if num_chunks > 1 and splits:
+            raise ValueError("splits cannot be given for a micro-batch split into chunks")
+        first = self._next_order
+        ring, seqs = tuple(ring), tuple(seqs)
+        for i in range(num_chunks):
+            order = self._next_order
+            self._next_order += 1
+            for rank, mb in build_ring_micro_batches(
+                order=order,
+                ring=ring,
+                seqs=seqs,
+                lengths=self.lengths,
+                align=self.align,
+                offload_ratio=offload_ratio,
+                splits=splits,
+                chunk=(i, num_chunks) if num_chunks > 1 else None,
+            ).items():
+                self.per_rank[rank].append(mb)
+        return first
 
     def build(
         self,

@@ -159,3 +159,19 @@ def padded_part_size(parts: Sequence[Span], align: int = 1) -> int:
         raise ValueError(f"align ({align}) must be >= 1")
     largest = max(b - a for a, b in parts)
     return max(1, -(-largest // align)) * align
+
+
+def causal_chunks(length: int, num_chunks: int) -> tuple[Span, ...]:
+    """The ``num_chunks`` causal chunks of a sequence split along the pipeline (Seq1F1B-style).
+
+    Chunk ``i`` holds positions ``[floor(i L / k), floor((i + 1) L / k))``: contiguous, in order,
+    tiling ``[0, L)``, sizes differing by at most one token (a sequence shorter than ``k`` has
+    empty chunks). Each chunk is then zigzagged over the ring on its own, so the ring's members
+    stay balanced in every chunk.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks ({num_chunks}) must be >= 1")
+    if length < 0:
+        raise ValueError(f"length ({length}) must be >= 0")
+    bounds = [i * length // num_chunks for i in range(num_chunks + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))

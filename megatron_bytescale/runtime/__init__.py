@@ -13,6 +13,8 @@ from .backends import (
     accumulation_dtype,
     get_backend,
 )
+from .chunk_layout import ChunkLayout, chunk_layout_for, make_chunk_layout
+from .chunked_attention import ChunkPrefix, chunked_ring_attention
 from .counters import CommCounters, MicroBatchCommStats, StepCommStats
 from .hdp_group import HDPGroup, Ring, new_ring_groups
 from .layout import (
@@ -50,6 +52,11 @@ from .ring_step import (
 from .two_level_ring import two_level_ring_attention
 
 __all__ = [
+    "ChunkLayout",
+    "ChunkPrefix",
+    "chunked_ring_attention",
+    "chunk_layout_for",
+    "make_chunk_layout",
     "new_ring_groups",
     "AttentionBlock",
     "attention_block",

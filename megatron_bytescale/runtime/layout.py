@@ -271,6 +271,11 @@ class MicroBatchTensors:
         order: the plan's global order number of this ring micro-batch (D5).
         offload_ratio: the plan's activation offload ratio for this micro-batch (D8).
         num_loss_tokens: ``loss_mask.sum()`` as an int (token-level loss, D6).
+        chunk: for a chunk of a ring micro-batch split along the pipeline, its
+            :class:`.ChunkLayout` (``layout`` is then ``chunk.layout``); None otherwise.
+        chunk_prefixes: the K/V kept between the chunks of one split micro-batch, one
+            :class:`.ChunkPrefix` per attention layer; the pipeline driver gives every chunk of a
+            group the same dict.
     """
 
     tokens: torch.Tensor
@@ -281,6 +286,8 @@ class MicroBatchTensors:
     order: int
     offload_ratio: float
     num_loss_tokens: int
+    chunk: Any = None
+    chunk_prefixes: dict | None = None
 
 
 def _resolve_rank(plan: StepPlan, hdp: HDPGroup | int) -> tuple[int, HDPGroup | None]:
@@ -305,16 +312,31 @@ def _micro_batch(plan: StepPlan, rank: int, index: int) -> MicroBatch:
     return mbs[index]
 
 
+def plan_micro_batch(plan: StepPlan, hdp: HDPGroup | int, index: int) -> tuple[int, MicroBatch]:
+    """This rank's HDP rank and its ``index``-th micro-batch of ``plan``."""
+    rank, _ = _resolve_rank(plan, hdp)
+    return rank, _micro_batch(plan, rank, index)
+
+
+def plan_ring(plan: StepPlan, hdp: HDPGroup | int, rank: int, mb: MicroBatch) -> Ring:
+    """The ring descriptor of ``mb`` for ``rank`` (which must be a member)."""
+    if rank not in mb.ring:
+        raise ValueError(
+            f"rank {rank} micro-batch of order {mb.order}: not a member of its ring {list(mb.ring)}"
+        )
+    return hdp.ring(mb.ring) if isinstance(hdp, HDPGroup) else Ring(mb.ring, mb.ring.index(rank))
+
+
 def layout_for(plan: StepPlan, hdp: HDPGroup | int, index: int) -> AttentionLayout:
     """The attention layout of this rank's ``index``-th micro-batch (checks its pieces)."""
     rank, group = _resolve_rank(plan, hdp)
     mb = _micro_batch(plan, rank, index)
-    if rank not in mb.ring:
+    if mb.chunk is not None:
         raise ValueError(
-            f"rank {rank} micro-batch {index} (order {mb.order}): not a member of its "
-            f"ring {list(mb.ring)}"
+            f"rank {rank} micro-batch {index} (order {mb.order}) is chunk {mb.chunk[0]} of "
+            f"{mb.chunk[1]} of a split micro-batch; use chunk_layout_for"
         )
-    ring = group.ring(mb.ring) if group is not None else Ring(mb.ring, mb.ring.index(rank))
+    ring = plan_ring(plan, group if group is not None else rank, rank, mb)
     lengths = plan.sequence_lengths()
     missing = [s for s in mb.seqs if s not in lengths]
     if missing:
@@ -367,18 +389,28 @@ def build_micro_batch(
         tokens_by_seq: every sequence of the micro-batch as a 1-D integer array of its length.
         device: where the tensors go (default CPU).
     """
-    layout = layout_for(plan, hdp, index)
     mb = _micro_batch(plan, _resolve_rank(plan, hdp)[0], index)
+    chunk = None
+    if mb.chunk is None:
+        layout = layout_for(plan, hdp, index)
+        starts = [0] * len(layout.slots)
+    else:
+        from .chunk_layout import chunk_layout_for
+
+        chunk = chunk_layout_for(plan, hdp, index)
+        layout, starts = chunk.layout, list(chunk.starts)
+    lengths = plan.sequence_lengths()
     toks, labs, masks, poss = [], [], [], []
-    for slot in layout.slots:
+    for slot, start in zip(layout.slots, starts):
         if slot.seq not in tokens_by_seq:
             raise ValueError(f"tokens_by_seq has no tokens for sequence {slot.seq}")
-        seq_tokens = _as_long_tensor(slot.seq, tokens_by_seq[slot.seq], slot.length)
-        g = _slot_positions(slot)
-        has_next = g + 1 < slot.length
+        length = lengths[slot.seq]  # a chunk's slot holds part of a longer sequence
+        seq_tokens = _as_long_tensor(slot.seq, tokens_by_seq[slot.seq], length)
+        g = _slot_positions(slot) + start
+        has_next = g + 1 < length
         pad = slot.num_local - slot.num_real
         toks += [seq_tokens[g], torch.full((pad,), PAD_TOKEN_ID, dtype=torch.long)]
-        nxt = seq_tokens[(g + 1).clamp(max=slot.length - 1)]
+        nxt = seq_tokens[(g + 1).clamp(max=length - 1)]
         labs += [torch.where(has_next, nxt, PAD_TOKEN_ID), toks[-1]]
         masks += [has_next.to(torch.float32), torch.zeros(pad)]
         poss += [g, torch.zeros(pad, dtype=torch.long)]
@@ -393,6 +425,7 @@ def build_micro_batch(
         order=mb.order,
         offload_ratio=mb.offload_ratio,
         num_loss_tokens=int(loss_mask.sum().item()),
+        chunk=chunk,
     )
 
 
