@@ -181,3 +181,16 @@ def test_micro_batch_costs_match_a_plain_loop():
                 assert costs.inter_node_bytes.tolist() == [p * k / len(r) for p, k, r in
                                                            zip(costs.p2p_bytes.tolist(), links, costs.rings)]
             assert any(len(r) == 1 for r in costs.rings) and any(k > 0 for k in links)
+
+
+def test_stage_node_lists_follow_the_1f1b_ops():
+    """The pipeline simulation's per-stage node lists (built by slicing) are :func:`pipeline_ops`."""
+    from megatron_bytescale.planner.order import _stage_nodes, pipeline_ops
+
+    rng = np.random.default_rng(0)
+    for m in range(0, 11):
+        for pp in range(1, 9):
+            ids = (rng.permutation(50)[:m] * 2 * pp).tolist()
+            for stage in range(pp):
+                expected = [ids[i] + (pp if phase == "B" else 0) + stage for phase, i in pipeline_ops(m, pp, stage)]
+                assert _stage_nodes(ids, pp, stage) == expected, (m, pp, stage)
