@@ -158,7 +158,7 @@ def build_request(
         if topology.ranks_per_node != cost_model.ranks_per_node:
             cost_model = cost_model.with_(ranks_per_node=topology.ranks_per_node)
     return PlanRequest(
-        ids=tuple(range(len(arr))), lengths=tuple(int(x) for x in arr.tolist()),
+        ids=tuple(range(len(arr))), lengths=tuple(arr.tolist()),  # int64 -> Python ints
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
