@@ -15,8 +15,13 @@ What it measures:
    < 100 ms CPU), and PP-Balance in every Fig. 17 PP cell at the paper's GPU counts, as the
    simulator plans them (timing-only plans, Eq. 3 offload; goal < 0.5 s CPU each).
 
-Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 3] [--no-write] [--only-time]``
-(``--only-time``: only item 4).
+5. Planning time with offload off and on (section ``planner_time_offload``, ``--offload-time``):
+   selective offload plans two unit sets, so offload on costs more; thread CPU time, median and
+   minimum, DP-Balance at 256K on 1,024 ranks and four Fig. 17 PP cells (``--hardware``, default
+   ``h100``).
+
+Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 3] [--no-write] [--only-time]
+[--offload-time [--hardware h100]]`` (``--only-time``: only item 4; ``--offload-time``: only item 5).
 """
 
 from __future__ import annotations
@@ -147,13 +152,88 @@ PP-Balance at the paper's GPU counts (Fig. 17, 32M tokens, seed 0, offload by Eq
 """
 
 
+def thread_cpu(fn, repeats: int) -> tuple[float, float]:
+    """(median, min) thread CPU seconds of ``fn()`` over ``repeats`` runs after one warm-up run.
+    Thread CPU time leaves out other processes, but not the slowdown they cause on shared cores
+    and caches: the minimum is the better figure on a loaded machine."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        t = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t)
+    return statistics.median(times), min(times)
+
+
+OFFLOAD_CELLS = (("llama-70b", "github", 262144), ("llama-70b", "byted", 524288),
+                 ("mistral-8x7b", "github", 1048576), ("mistral-8x22b", "byted", 262144))
+
+
+def offload_time_section(repeats: int, hardware: str) -> str:
+    """Section ``planner_time_offload``: planning CPU with offload off and on (selective offload
+    plans two unit sets), DP-Balance at 256K on 1,024 ranks and four Fig. 17 PP cells."""
+    from megatron_bytescale.sim import paper
+
+    load_before = os.getloadavg()[0]
+    cm = preset_cost_model("llama-7b")
+    rows = []
+    for ds in DATASETS:
+        lengths = synthetic_lengths(ds, TOKENS, seed=0, max_length=262144)
+        row = ["DP-Balance, llama-7b", ds, "256K", "1,024"]
+        for offload in (False, True):
+            progress(f"offload time: DP-Balance {ds} offload {offload} ...")
+            med, low = thread_cpu(lambda: make_plan(lengths, scheduler="balance", hdp_size=1024, capacity=CAPACITY,
+                                                    cost_model=cm, context_length=262144, offload=offload), repeats)
+            row.append(f"{med * 1e3:.0f} / {low * 1e3:.0f}")
+        rows.append(row)
+    for model, ds, ctx in OFFLOAD_CELLS:
+        setup = paper.paper_setup(model, hardware=hardware)
+        lengths = synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=0, max_length=ctx)
+        row = [f"PP-Balance, {model}", ds, f"{ctx >> 10}K".replace("1024K", "1M"),
+               f"{setup.hdp_size} x PP {setup.pp_size}"]
+        for offload in (False, True):
+            progress(f"offload time: PP-Balance {model} {ds} {ctx >> 10}K offload {offload} ...")
+            kw = dict(scheduler="balance", hdp_size=setup.hdp_size, capacity=setup.capacity,
+                      cost_model=setup.cost_model, pp_size=setup.pp_size, offload=offload,
+                      overlong=setup.overlong, align=setup.align, context_length=ctx, delta=setup.delta,
+                      num_buckets=setup.num_buckets, estimate=False, pieces=False, topology=setup.topology)
+            med, low = thread_cpu(lambda: make_plan(lengths, **kw), repeats)
+            row.append(f"{med * 1e3:.0f} / {low * 1e3:.0f}")
+        rows.append(row)
+    load_after = os.getloadavg()[0]
+    table = markdown_table(["scheduler", "dataset", "context", "HDP ranks", "offload off ms (median / min)",
+                            "offload on ms (median / min)"], rows)
+    return f"""## Planner: planning time with offload off and on
+
+`scripts/bench_planner.py --offload-time --repeats {repeats} --hardware {hardware}` (thread CPU time of
+`make_plan`, median and minimum of {repeats} runs after a warm-up; DP with the estimate, PP as the
+simulator plans, timing-only; PP cells on the `{hardware}` preset at the paper's GPU counts, 32M
+tokens, seed 0). {machine_line()} Load average {load_before:.1f} before / {load_after:.1f} after: on a
+shared, loaded machine the minimum is the better figure, and all of them are high.
+
+{table}
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median; default 3)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     ap.add_argument("--only-time", action="store_true",
                     help="only the planning-time section (DP-Balance at 256K, PP-Balance Fig. 17 cells)")
+    ap.add_argument("--offload-time", action="store_true",
+                    help="only the planning time with offload off and on (section planner_time_offload)")
+    ap.add_argument("--hardware", default="h100", help="hardware preset of the PP cells with --offload-time")
     args = ap.parse_args()
+    if args.offload_time:
+        section = offload_time_section(args.repeats, args.hardware)
+        if args.no_write:
+            print(section)
+        else:
+            write_section("planner_time_offload", section)
+            progress("wrote section 'planner_time_offload' of docs/benchmarks.md")
+        return 0
 
     timing = planning_time_section(args.repeats)
     if args.no_write:

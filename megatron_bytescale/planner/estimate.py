@@ -103,24 +103,29 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     owner, seq_len, seq_ring = [], [], []
     ring_sizes = np.empty(n, dtype=np.int64)
     offload = np.empty(n)
-    intra = np.empty(n, dtype=bool)
-    links = np.empty(n)
+    intra = np.ones(n, dtype=bool)
+    links = np.zeros(n)
     groups = np.ones(n)
     rings = []
+    two_level = cost_model.two_level_ring
+    sizes, ratios = [], []
     for k, o in enumerate(orders.tolist()):
         ring, seqs, r = seen[o]
         d = len(ring)
-        ring_sizes[k] = d
-        offload[k] = r
+        sizes.append(d)
+        ratios.append(r)
         rings.append(ring)
-        intra[k] = topo.ring_is_intra_node(ring)
-        links[k] = topo.inter_node_links(ring)
-        if cost_model.two_level_ring and d > 1:
-            groups[k] = topo.two_level_group(ring)
-        for s in seqs:
-            owner.append(k)
-            seq_len.append(lengths[s])
-            seq_ring.append(d)
+        if d > 1:  # a single rank is intra-node with no links (the defaults set above)
+            intra[k] = topo.ring_is_intra_node(ring)
+            links[k] = topo.inter_node_links(ring)
+            if two_level:
+                groups[k] = topo.two_level_group(ring)
+        m = len(seqs)
+        owner.extend([k] * m)
+        seq_len.extend([lengths[s] for s in seqs])
+        seq_ring.extend([d] * m)
+    ring_sizes[:] = sizes
+    offload[:] = ratios
     s = np.asarray(seq_len, dtype=np.int64)
     d = np.asarray(seq_ring, dtype=np.int64)
     parts = 2 * d

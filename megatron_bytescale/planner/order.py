@@ -194,14 +194,10 @@ def _simulate_pipelines(lists: list[list[int]], dur: Mapping[int, float], pp: in
     orders = sorted({o for ol in lists for o in ol})
     index = {o: k for k, o in enumerate(orders)}
     n_nodes = 2 * pp * len(orders)
-    weight = [0.0] * n_nodes
-    for k, o in enumerate(orders):
+    weight: list[float] = []
+    for o in orders:
         t = float(dur.get(o, 0.0))
-        f, b = t * forward_fraction, t * (1.0 - forward_fraction)
-        base = 2 * pp * k
-        for stage in range(pp):
-            weight[base + stage] = f
-            weight[base + pp + stage] = b
+        weight += [t * forward_fraction] * pp + [t * (1.0 - forward_fraction)] * pp
     succ: list[list[int]] = [[] for _ in range(n_nodes)]
     indeg = [0] * n_nodes
     # the fixed edges of every micro-batch: F down the stages, F -> B at the last, B back up
@@ -220,7 +216,7 @@ def _simulate_pipelines(lists: list[list[int]], dur: Mapping[int, float], pp: in
         ids = [2 * pp * index[o] for o in ol]
         last: list[int] = []
         for stage in range(pp):
-            seq = [ids[i] + (pp if phase == "B" else 0) + stage for phase, i in pipeline_ops(m, pp, stage)]
+            seq = _stage_nodes(ids, pp, stage)
             for u, v in zip(seq, seq[1:]):
                 succ[u].append(v)
                 indeg[v] += 1
@@ -228,22 +224,23 @@ def _simulate_pipelines(lists: list[list[int]], dur: Mapping[int, float], pp: in
                 last.append(seq[-1])
         rank_last.append(last)
     ready = [0.0] * n_nodes
-    finish = [0.0] * n_nodes
     queue = [v for v in range(n_nodes) if indeg[v] == 0]
+    pop, push = queue.pop, queue.append
     done = 0
     while queue:
-        u = queue.pop()
+        u = pop()
         end = ready[u] + weight[u]
-        finish[u] = end
         done += 1
         for v in succ[u]:
             if end > ready[v]:
                 ready[v] = end
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                queue.append(v)
+            left = indeg[v] - 1
+            indeg[v] = left
+            if not left:
+                push(v)
     if done != n_nodes:
         return None
+    finish = [r + w for r, w in zip(ready, weight)]  # the same sums the loop made
     out = np.zeros(hdp_size)
     for r, last in enumerate(rank_last):
         if last:  # a stage's last op finishes after all its others
@@ -256,6 +253,19 @@ def _simulate_pipelines(lists: list[list[int]], dur: Mapping[int, float], pp: in
                     v = (2 * k + phase) * pp + stage
                     times[(o, "FB"[phase], stage)] = (ready[v], finish[v])
     return Simulation(rank_finish_s=out, node_times=times)
+
+
+def _stage_nodes(ids: list[int], pp: int, stage: int) -> list[int]:
+    """The node ids of :func:`pipeline_ops` at ``stage`` for micro-batches whose F node at stage
+    0 is ``ids[i]`` (F at ``ids[i] + stage``, B at ``ids[i] + pp + stage``), built by slicing."""
+    m = len(ids)
+    warmup = min(pp - 1 - stage, m)
+    fwd = [x + stage for x in ids]
+    bwd = [x + pp + stage for x in ids]
+    steady = [0] * (2 * (m - warmup))
+    steady[0::2] = fwd[warmup:]
+    steady[1::2] = bwd[: m - warmup]
+    return fwd[:warmup] + steady + bwd[m - warmup:]
 
 
 def _deadlock_message(plan: StepPlan, lists: list[list[int]], rank_nodes: list[list[Node]],

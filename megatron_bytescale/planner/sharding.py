@@ -19,6 +19,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .offload import minimal_ratio_for_ring, solve_offload
+from .slots import slot_constructor
 from .topology import Topology
 
 
@@ -153,6 +154,9 @@ class ShardingContext:
                        time=self.unit_time(unit.lengths, ring_size, r))
 
 
+_unit = slot_constructor(Unit, ("seqs", "lengths", "ring_size", "offload_ratio", "min_ring_size", "time"))
+
+
 def best_fit_decreasing(ids: Sequence[int], lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Pack items into bins of ``capacity`` by best-fit decreasing; returns bins of ids.
 
@@ -189,9 +193,13 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
     Long units come first in id order, packs after in packing order; schedulers sort as they
     need.
     """
-    length_of = dict(zip(ids, lengths))
-    short = [(i, n) for i, n in zip(ids, lengths) if n < ctx.capacity]
-    long_ = sorted((i, n) for i, n in zip(ids, lengths) if n >= ctx.capacity)
+    ids_a = np.asarray(ids, dtype=np.int64).reshape(-1)
+    len_a = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    is_long = len_a >= ctx.capacity
+    long_ids = ids_a[is_long]
+    by_id = np.argsort(long_ids, kind="stable")  # ids are unique: the order of sorted((id, n))
+    long_ = list(zip(long_ids[by_id].tolist(), len_a[is_long][by_id].tolist()))
+    short_ids, short_lengths = ids_a[~is_long].tolist(), len_a[~is_long].tolist()
     units: list[Unit] = []
     decisions = [solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model,
                                align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size,
@@ -203,11 +211,12 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
         unit = Unit(seqs=(sid,), lengths=(n,), ring_size=dec.ring_size, offload_ratio=dec.offload_ratio,
                     min_ring_size=dec.ring_size, time=t)
         units.append(ctx.resize(unit, dec.ring_size))  # whole nodes for a two-level ring
-    if short:
-        bins = best_fit_decreasing([i for i, _ in short], [n for _, n in short], ctx.capacity)
+    if short_ids:
+        length_of = dict(zip(short_ids, short_lengths))
+        bins = best_fit_decreasing(short_ids, short_lengths, ctx.capacity)
         packs = [tuple(map(length_of.__getitem__, b)) for b in bins]
-        for b, p, t in zip(bins, packs, pack_times(packs, ctx)):
-            units.append(Unit(seqs=tuple(b), lengths=p, ring_size=1, min_ring_size=1, time=t))
+        make = _unit
+        units += [make(tuple(b), p, 1, 0.0, 1, t) for b, p, t in zip(bins, packs, pack_times(packs, ctx))]
     return units
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from ..cost_model import CostModel
 from ..plan import MAX_SEQUENCE_LENGTH, MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
 from ..sharding import ShardingContext, Unit
+from ..slots import slot_constructor
 from ..topology import Topology
 from ..zigzag import zigzag_chunk
 
@@ -157,7 +158,7 @@ def build_request(
         if topology.ranks_per_node != cost_model.ranks_per_node:
             cost_model = cost_model.with_(ranks_per_node=topology.ranks_per_node)
     return PlanRequest(
-        ids=tuple(range(len(arr))), lengths=tuple(int(x) for x in arr.tolist()),
+        ids=tuple(range(len(arr))), lengths=tuple(arr.tolist()),  # int64 -> Python ints
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
@@ -208,37 +209,12 @@ def apply_overlong(
     return replace(request, ids=tuple(i for i, _ in keep), lengths=tuple(n for _, n in keep), meta=meta)
 
 
-def _slot_factory(cls: type, fields: tuple[str, ...]) -> Callable[..., Any]:
-    """A positional constructor of the frozen, slotted dataclass ``cls`` that sets its slots
-    directly (its generated ``__init__`` goes through ``object.__setattr__`` per field, which
-    dominates building a plan's tens of thousands of pieces). The classes have no
-    ``__post_init__``; the objects are equal to, and hash like, ones built normally."""
-    new = object.__new__
-    setters = tuple(getattr(cls, f).__set__ for f in fields)
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"{cls.__name__} validates in __post_init__; build it normally")
-    if len(fields) == 2:
-        s0, s1 = setters
-
-        def make2(a: Any, b: Any) -> Any:
-            obj = new(cls)
-            s0(obj, a)
-            s1(obj, b)
-            return obj
-        return make2
-    s0, s1, s2 = setters
-
-    def make3(a: Any, b: Any, c: Any) -> Any:
-        obj = new(cls)
-        s0(obj, a)
-        s1(obj, b)
-        s2(obj, c)
-        return obj
-    return make3
-
-
-_piece = _slot_factory(Piece, ("seq", "start", "end"))
-_sequence = _slot_factory(PlanSequence, ("id", "length"))
+_piece = slot_constructor(Piece, ("seq", "start", "end"))
+_sequence = slot_constructor(PlanSequence, ("id", "length"))
+_micro_batch = slot_constructor(MicroBatch, ("order", "ring", "offload_ratio", "seqs", "pieces"))
+placement = slot_constructor(Placement, ("ring", "seqs", "offload_ratio"))
+"""``placement(ring, seqs, offload_ratio)``: a :class:`Placement` without the dataclass ``__init__``
+(the list schedulers make one per unit)."""
 
 
 class FastPlanBuilder(PlanBuilder):
@@ -264,16 +240,14 @@ class FastPlanBuilder(PlanBuilder):
         seqs_t = tuple(map(int, seqs))
         n = len(ring_t)
         if not self.pieces:
-            shared = MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=())
+            shared = _micro_batch(order, ring_t, offload_ratio, seqs_t, ())
             for rank in ring_t:
                 self.per_rank[rank].append(shared)
             return order
         if n == 1:
             lengths = self.lengths
             pieces = tuple([_piece(s, 0, lengths[s]) for s in seqs_t])
-            self.per_rank[ring_t[0]].append(
-                MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t, pieces=pieces)
-            )
+            self.per_rank[ring_t[0]].append(_micro_batch(order, ring_t, offload_ratio, seqs_t, pieces))
             return order
         last = 2 * n - 1
         pieces_of: list[list[Piece]] = [[] for _ in range(n)]
@@ -286,10 +260,7 @@ class FastPlanBuilder(PlanBuilder):
                 a = k * chunk
                 pieces_of[k if k < n else last - k].append(_piece(s, a, min(a + chunk, length)))
         for pos, rank in enumerate(ring_t):
-            self.per_rank[rank].append(
-                MicroBatch(order=order, ring=ring_t, offload_ratio=offload_ratio, seqs=seqs_t,
-                           pieces=tuple(pieces_of[pos]))
-            )
+            self.per_rank[rank].append(_micro_batch(order, ring_t, offload_ratio, seqs_t, tuple(pieces_of[pos])))
         return order
 
 

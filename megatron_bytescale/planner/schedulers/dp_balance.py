@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from ..sharding import ShardingContext, Unit
-from ._common import Placement
+from ._common import Placement, placement
 from .placement import RingPlacer
 
 def makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext, n: int) -> float:
@@ -65,7 +65,7 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
                 cur[rank] = end
                 placer.set_load(rank, end)
                 push(heap, (end, rank))
-            timed.append((start, index, Placement(ring=(rank,), seqs=u.seqs, offload_ratio=u.offload_ratio)))
+            timed.append((start, index, placement((rank,), u.seqs, u.offload_ratio)))
             continue
         picked: list[int] = []
         while len(picked) < d:
@@ -84,7 +84,7 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
         for r in ring:
             cur[r] = end
             push(heap, (end, r))
-        timed.append((start, index, Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio)))
+        timed.append((start, index, placement(ring, u.seqs, u.offload_ratio)))
     timed.sort(key=lambda x: (x[0], x[1]))
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
 

@@ -22,7 +22,7 @@ from collections import deque
 from ..plan import StepPlan
 from ..sharding import Unit, shard_batch
 from ..topology import Topology
-from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan
+from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, placement
 from .placement import FreeRanks
 
 NAME = "naive"
@@ -58,13 +58,13 @@ def fill_steps(n: int, rings: list[Unit], singles: deque[Unit],
             if ring is None:
                 waiting.append(u)
                 continue
-            placements.append(Placement(ring=tuple(ring), seqs=u.seqs, offload_ratio=u.offload_ratio))
+            placements.append(placement(tuple(ring), u.seqs, u.offload_ratio))
         rings = waiting
         for r in free.remaining():
             if not singles:
                 break
             u = singles.popleft()
-            placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+            placements.append(placement((r,), u.seqs, u.offload_ratio))
     return placements, steps
 
 
@@ -95,7 +95,7 @@ def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit],
                 waiting.append(u)
                 continue
             first = False
-            placements.append(Placement(ring=tuple(members), seqs=u.seqs, offload_ratio=u.offload_ratio))
+            placements.append(placement(tuple(members), u.seqs, u.offload_ratio))
             for r in members:
                 counts[r] += 1
         if len(waiting) == len(rings) and not singles:
@@ -105,6 +105,6 @@ def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit],
             if not singles:
                 break
             u = singles.popleft()
-            placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+            placements.append(placement((r,), u.seqs, u.offload_ratio))
             counts[r] += 1
     return placements, steps

@@ -72,6 +72,8 @@ class RingPlacer:
         self._order = np.tile(np.arange(self.width), (len(labels), 1))
         self._sorted = self._ext[idx]
         self._dirty: set[int] = set()
+        # rank r on node r // width, every node full: the loads reshape into the node matrix
+        self._regular = topology.node_of is None and hdp_size % self.width == 0 and self.width == topology.ranks_per_node
 
     # ------------------------------------------------------------------ loads
     def set_loads(self, ranks: Sequence[int], value: float) -> None:
@@ -114,11 +116,18 @@ class RingPlacer:
     def compact(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
         """``(start, members)`` of a ring of ``d`` on the fewest nodes (see the module docstring);
         None if no such choice exists (not enough eligible ranks)."""
+        if d <= self.width and eligible is None:
+            return self._compact_in_node(d)
+        return self._compact_sorted(d, eligible)
+
+    def _compact_sorted(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+        """:meth:`compact` from the sorted view of every node's loads (the reference that
+        :meth:`_compact_in_node` matches for rings that fit a node)."""
+        g = self.width
         if eligible is None:
             srt, order = self._sorted_view()
         else:
             _, srt, order = self._masked(eligible)
-        g = self.width
         if d <= g:
             col = srt[:, d - 1]
             k = int(np.argmin(col))
@@ -140,6 +149,25 @@ class RingPlacer:
                 return None
             members.append(self._idx[k, order[k, :rest]])
         return self._result(np.concatenate(members))
+
+    def _compact_in_node(self, d: int) -> tuple[float, tuple[int, ...]] | None:
+        """:meth:`compact` for a ring that fits a node, all ranks eligible, without the sorted
+        view: each node's d-th smallest load by ``np.partition`` (the value the sorted view holds
+        in column d - 1), the first node where it is lowest, then that node's d least-loaded
+        ranks (ties to the lower rank, as the stable sort orders them). DP-Balance places a ring
+        per long unit; re-sorting every node that singles touched since the last ring cost more
+        than the rest of its placement."""
+        g = self.width
+        m = self.loads.reshape(-1, g) if self._regular else self._ext[self._idx]
+        col = m.min(axis=1) if d == 1 else np.partition(m, d - 1, axis=1)[:, d - 1]
+        k = int(col.argmin())
+        start = float(col[k])
+        if not math.isfinite(start):
+            return None
+        picked = np.argsort(m[k], kind="stable")[:d]
+        if self._regular:  # rank = node * g + position; the ring starts at the d-th smallest load
+            return start, tuple(sorted((picked + k * g).tolist()))
+        return self._result(self._idx[k, picked])
 
     def on_nodes(self, d: int, num_nodes: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
         """``(start, members)``: the earliest start of a ring of ``d`` on at most ``num_nodes``
