@@ -9,14 +9,26 @@ like, ones built normally; classes that validate in ``__post_init__`` are refuse
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 
 def slot_constructor(cls: type, fields: tuple[str, ...]) -> Callable[..., Any]:
     """A function ``make(v1, ..., vk)`` that builds ``cls`` with ``fields`` set to the values
-    (positionally, every field given: defaults are not applied)."""
+    (positionally); every other field gets its default, so a field added to ``cls`` later is
+    never left unset (a field without a default must be among ``fields``)."""
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__} validates in __post_init__; build it normally")
+    rest = []
+    for f in dataclasses.fields(cls):
+        if f.name in fields:
+            continue
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name} has no plain default: pass it to "
+                            "slot_constructor")
+        rest.append((getattr(cls, f.name).__set__, f.default))
+    if rest:  # the general path sets the defaults after the given fields
+        return _with_defaults(cls, fields, tuple(rest))
     new = object.__new__
     setters = tuple(getattr(cls, f).__set__ for f in fields)
     if len(fields) == 2:
@@ -69,6 +81,23 @@ def slot_constructor(cls: type, fields: tuple[str, ...]) -> Callable[..., Any]:
             raise TypeError(f"{cls.__name__} needs {len(setters)} values, got {len(values)}")
         obj = new(cls)
         for s, v in zip(setters, values):
+            s(obj, v)
+        return obj
+    return make
+
+
+def _with_defaults(cls: type, fields: tuple[str, ...],
+                   rest: tuple[tuple[Callable[[Any, Any], None], Any], ...]) -> Callable[..., Any]:
+    new = object.__new__
+    setters = tuple(getattr(cls, f).__set__ for f in fields)
+
+    def make(*values: Any) -> Any:
+        if len(values) != len(setters):
+            raise TypeError(f"{cls.__name__} needs {len(setters)} values, got {len(values)}")
+        obj = new(cls)
+        for s, v in zip(setters, values):
+            s(obj, v)
+        for s, v in rest:
             s(obj, v)
         return obj
     return make

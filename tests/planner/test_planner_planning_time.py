@@ -194,3 +194,26 @@ def test_stage_node_lists_follow_the_1f1b_ops():
             for stage in range(pp):
                 expected = [ids[i] + (pp if phase == "B" else 0) + stage for phase, i in pipeline_ops(m, pp, stage)]
                 assert _stage_nodes(ids, pp, stage) == expected, (m, pp, stage)
+
+
+def test_slot_constructors_give_every_field_not_passed_its_default():
+    """A field added with a default later (MicroBatch.chunk, say) is set, never left unset."""
+    import dataclasses
+
+    import pytest
+
+    from megatron_bytescale.planner.plan import MicroBatch, Piece
+    from megatron_bytescale.planner.slots import slot_constructor
+
+    make = slot_constructor(MicroBatch, ("order", "ring", "offload_ratio", "seqs", "pieces"))
+    built = make(3, (0, 1), 0.0, (7,), (Piece(seq=7, start=0, end=4),))
+    normal = MicroBatch(order=3, ring=(0, 1), seqs=(7,), pieces=(Piece(seq=7, start=0, end=4),))
+    assert built == normal and hash(built) == hash(normal) and built.chunk is None
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Needs:
+        a: int
+        b: int
+
+    with pytest.raises(TypeError, match="Needs.b has no plain default"):
+        slot_constructor(Needs, ("a",))
