@@ -136,26 +136,24 @@ def test_a_ring_moves_onto_one_node_inside_its_count_group():
 
 
 @pytest.mark.parametrize("hdp_size, pp_size, lengths, assignment, widened", [
-    (2, 2, [170], "pp-runs", 0),
-    (6, 2, [140, 380], "pp-runs-eq3", 0),
-    (4, 2, [160, 320, 380, 320], "fill", 0),
-    (4, 4, [320, 250, 20, 330], "fill", 0),
+    (4, 2, [160, 320, 380, 320], "pp-steps", 0),
+    (6, 2, [140, 380], "pp-steps-eq3", 0),
+    (4, 4, [320, 250, 20, 330], "pp-steps-eq3", 0),
+    (2, 4, [140, 150], "pp-runs", 0),
+    (6, 2, [110, 200, 210], "pp-runs-eq3", 0),
+    (8, 2, [110, 270, 160, 20], "pp-runs-1f1b", 3),
     (8, 4, [190, 270, 120, 390], "pp-runs-1f1b", 3),
-    (8, 4, [240, 40, 150, 190], "pp-runs-1f1b", 3),
 ])
 def test_pp_balance_keeps_the_fastest_candidate(hdp_size, pp_size, lengths, assignment, widened):
-    """PP-Balance plans four candidates (runs on the widened units, the same with the 1F1B
-    fill-and-drain load, runs on Eq. 3's units, Alg. 1's aligned fill) and keeps the fastest by
-    the 1F1B estimate, the first on a tie. These are the smallest batches of a seeded search on
-    which each candidate wins; the fill is naive's plan, and a valid plan covers every token."""
+    """PP-Balance plans its candidates (level steps on the widened and on Eq. 3's units, runs on
+    the widened units, the same with the 1F1B fill-and-drain load, runs on Eq. 3's units, Alg. 1's
+    aligned fill) and keeps the fastest by the 1F1B estimate, the first on a tie. These are small
+    batches of a seeded search on which each candidate wins (the fill, naive's plan, won on none
+    of 3,000 such batches once level steps were added; it stays as the safety net), and a valid
+    plan covers every token."""
     kw = dict(hdp_size=hdp_size, capacity=100, cost_model=small_cost_model(), pp_size=pp_size, offload=False)
     plan = make_plan(lengths, scheduler="balance", **kw).validate()
     naive = make_plan(lengths, scheduler="naive", **kw)
     assert plan.scheduler == "balance" and plan.meta["mode"] == "PP-Balance"
-    assert (plan.meta["assignment"], plan.meta["widened_units"]) == (assignment, widened)
-    same = [[(mb.ring, mb.seqs) for mb in rp.micro_batches] for rp in plan.ranks] == \
-           [[(mb.ring, mb.seqs) for mb in rp.micro_batches] for rp in naive.ranks]
-    if assignment == "fill":
-        assert same and plan.estimate.step_time_s == naive.estimate.step_time_s
-    elif assignment == "pp-runs-1f1b":
-        assert plan.estimate.step_time_s < naive.estimate.step_time_s
+    assert (plan.meta["assignment"].removesuffix("+short-first"), plan.meta["widened_units"]) == (assignment, widened)
+    assert plan.estimate.step_time_s <= naive.estimate.step_time_s

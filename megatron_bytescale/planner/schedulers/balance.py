@@ -64,6 +64,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit
@@ -71,6 +73,7 @@ from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit
 from .dp_balance import dp_balance, makespan
 from .naive import fill_steps, fill_steps_aligned
 from .pp_balance import pipeline_floor, pp_balance, short_first
+from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
 
@@ -184,7 +187,14 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     for units_floor, set_index, choice, ctx, base, units, widened in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
             continue
-        pool = [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
+        def finish_times(placements: list, ctx: ShardingContext = ctx) -> np.ndarray:
+            plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
+            return np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
+
+        pool = [("pp-steps", level_steps(units, ctx, n, finish_times), widened, units)]
+        if widened:
+            pool.append(("pp-steps-eq3", level_steps(base, ctx, n, finish_times), 0, base))
+        pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
                 ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
         if widened:
             pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
