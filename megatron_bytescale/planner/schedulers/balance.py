@@ -43,7 +43,13 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
    Each candidate is also tried with every pipeline running its shortest micro-batch after its
    last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
-   aligned.
+   aligned. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
+   lockstep time steps with the single-rank units longest first beside them (one length level
+   per step on every pipeline, so the transitions between levels fall at the same local index
+   everywhere), and the units left after the last ring given longest first to the pipeline
+   that finishes first in the 1F1B estimate of the ring phase. Balancing stage work alone loses
+   to naive's fill on ring-heavy batches (ring waits chain across pipelines whose lists differ
+   in shape; docs/pipeline.md, "Why naive's assignment won"); the level steps win there.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
    loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
    also short-first), over both unit sets; ``meta["assignment"]``
@@ -171,7 +177,8 @@ def _best_dp_assignment(
 
 def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) -> StepPlan:
     """The fastest, by the full 1F1B estimate, of: per unit set (:func:`.selective.unit_options`),
-    PP-Balance on the widened units (two pipeline loads), PP-Balance on the unwidened units and
+    the level steps (:func:`.pp_steps.level_steps`) on the widened and the unwidened units,
+    PP-Balance's runs on the widened units (two pipeline loads), on the unwidened units and
     Alg. 1's aligned fill of them (the safety net of :func:`_best_dp_assignment`; with PP,
     widening trades fewer bubbles for more communication and the estimate decides).
 
