@@ -202,7 +202,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         if widened:
             pool.append(("pp-steps-eq3", level_steps(base, ctx, n, finish_times), 0, base))
         pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
-                ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
+                 ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
         if widened:
             pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
