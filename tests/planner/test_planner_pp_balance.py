@@ -8,10 +8,12 @@ plus ``fill_drain`` x its longest micro-batch; every trace below is worked out i
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers.balance import pp_balance
+from megatron_bytescale.planner.schedulers.pp_steps import level_steps
 from megatron_bytescale.planner.sharding import ShardingContext, Unit
 from planner_cases import small_cost_model
 
@@ -157,3 +159,31 @@ def test_pp_balance_keeps_the_fastest_candidate(hdp_size, pp_size, lengths, assi
     assert plan.scheduler == "balance" and plan.meta["mode"] == "PP-Balance"
     assert (plan.meta["assignment"].removesuffix("+short-first"), plan.meta["widened_units"]) == (assignment, widened)
     assert plan.estimate.step_time_s <= naive.estimate.step_time_s
+
+
+def test_level_steps_keep_rings_in_lockstep_and_give_the_tail_by_finish_time():
+    """Rings R (seq 0, 1.0 s) and S (seq 1, 0.6 s) of 2 on 4 pipelines; singles 0.5 ... 0.1.
+
+    Step 1: R takes ranks 0, 1, S ranks 2, 3 (both count group 0), no rank is free, and no ring
+    is left: the ring phase ends and all five singles are the tail. The finish times given are
+    0.3, 0.2, 0.45, 0.05 (not the stage work, 1.0, 1.0, 0.6, 0.6). Longest first, each to the
+    pipeline that finishes first: 0.5 -> 3 (0.55), 0.4 -> 1 (0.6), 0.3 -> 0 (0.6), 0.2 -> 2
+    (0.65), 0.1 -> 3 (0.65). By stage work, pipelines 2 and 3 would have taken the most."""
+    calls = []
+
+    def finish_times(placements):
+        calls.append([p.ring for p in placements])
+        return np.array([0.3, 0.2, 0.45, 0.05])
+
+    placements = level_steps(UNITS, ctx(4), 4, finish_times)
+    assert calls == [[(0, 1), (2, 3)]]  # called once, on the ring phase
+    assert by_rank(placements, 4) == [[0, 4], [0, 3], [1, 5], [1, 2, 6]]
+
+
+def test_level_steps_fill_the_free_ranks_of_a_ring_step_longest_first():
+    """One ring of 2 (1.0 s) on 4 pipelines: ranks 2, 3 are free in its step and take the two
+    longest singles (0.5, 0.4) at local index 0; the last (0.3) is the tail and goes to the
+    pipeline that finishes first (3)."""
+    units = [unit(0, 2000, ring=2), unit(4, 300), unit(2, 500), unit(3, 400)]
+    placements = level_steps(units, ctx(4), 4, lambda p: np.array([1.0, 1.0, 0.5, 0.4]))
+    assert by_rank(placements, 4) == [[0], [0], [2], [3, 4]]
