@@ -135,7 +135,7 @@ def test_pipeline_balance_widens_against_the_per_stage_bound():
     plan = make_plan([4000, 4000] + [500] * 8, scheduler="balance", hdp_size=8, capacity=1000,
                      cost_model=cm2, pp_size=2, offload=False)
     rings = {s: mb.ring_size for rp in plan.ranks for mb in rp.micro_batches for s in mb.seqs}
-    assert (plan.meta["assignment"], plan.meta["widened_units"]) == ("pp-runs", 2)
+    assert (plan.meta["assignment"], plan.meta["widened_units"]) == ("pp-steps", 2)
     assert rings[0] == rings[1] == 6
 
 

@@ -43,7 +43,13 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
    Each candidate is also tried with every pipeline running its shortest micro-batch after its
    last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
-   aligned.
+   aligned. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
+   lockstep time steps with the single-rank units longest first beside them (one length level
+   per step on every pipeline, so the transitions between levels fall at the same local index
+   everywhere), and the units left after the last ring given longest first to the pipeline
+   that finishes first in the 1F1B estimate of the ring phase. Balancing stage work alone loses
+   to naive's fill on ring-heavy batches (ring waits chain across pipelines whose lists differ
+   in shape; docs/pipeline.md, "Why naive's assignment won"); the level steps win there.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
    loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
    also short-first), over both unit sets; ``meta["assignment"]``
@@ -64,6 +70,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit
@@ -71,6 +79,7 @@ from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit
 from .dp_balance import dp_balance, makespan
 from .naive import fill_steps, fill_steps_aligned
 from .pp_balance import pipeline_floor, pp_balance, short_first
+from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
 
@@ -168,7 +177,8 @@ def _best_dp_assignment(
 
 def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) -> StepPlan:
     """The fastest, by the full 1F1B estimate, of: per unit set (:func:`.selective.unit_options`),
-    PP-Balance on the widened units (two pipeline loads), PP-Balance on the unwidened units and
+    the level steps (:func:`.pp_steps.level_steps`) on the widened and the unwidened units,
+    PP-Balance's runs on the widened units (two pipeline loads), on the unwidened units and
     Alg. 1's aligned fill of them (the safety net of :func:`_best_dp_assignment`; with PP,
     widening trades fewer bubbles for more communication and the estimate decides).
 
@@ -184,8 +194,15 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     for units_floor, set_index, choice, ctx, base, units, widened in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
             continue
-        pool = [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
-                ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
+        def finish_times(placements: list, ctx: ShardingContext = ctx) -> np.ndarray:
+            plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
+            return np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
+
+        pool = [("pp-steps", level_steps(units, ctx, n, finish_times), widened, units)]
+        if widened:
+            pool.append(("pp-steps-eq3", level_steps(base, ctx, n, finish_times), 0, base))
+        pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
+                 ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
         if widened:
             pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
