@@ -16,6 +16,10 @@ every micro-batch its own ring, of any size, on any ranks (DESIGN.md D1-D3):
   :class:`HDPRankMap` reads this process's place in that layout from Megatron's own process
   groups (never from rank arithmetic) and checks that every TP rank and stage of a model
   replica has the same HDP rank, so all of them run the same row of the plan.
+* Expert parallelism (``--expert-model-parallel-size E``) is megatron-core's own: its expert
+  groups are carved out of the HDP ranks (E consecutive HDP ranks, checked by
+  :meth:`HDPRankMap.check_expert_groups`), expert gradients reduce over its
+  expert-data-parallel group. The plan keeps an expert group in step (``StepPlan.ep_size``).
 * :class:`HDPGroupManager` wraps the group in the runtime's ``HDPGroup`` and holds the
   micro-batch that is running *now*. The schedule driver binds each micro-batch
   (:meth:`HDPGroupManager.bind`) around its forward and backward; ``ByteScaleCoreAttention``
