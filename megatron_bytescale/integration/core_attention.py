@@ -119,6 +119,9 @@ class ByteScaleCoreAttention(MegatronModule):
                 f"the micro-batch has {query.size(0)} rows but its attention layout needs "
                 f"{rows}; feed the model the bound micro-batch's tokens"
             )
+        if not layout.slots:  # an empty slot of expert parallelism: nothing to attend to
+            return query.new_zeros(query.size(0), 1, query.size(2) * query.size(3)) + 0 * (
+                query.sum() + key.sum() + value.sum())
         # rows past the layout pad the micro-batch to a multiple of the TP size (sequence
         # parallelism): they attend to nothing and get output 0 (and zero gradients)
         q_TNH = query[:rows, 0].contiguous()

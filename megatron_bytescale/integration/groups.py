@@ -16,6 +16,10 @@ every micro-batch its own ring, of any size, on any ranks (DESIGN.md D1-D3):
   :class:`HDPRankMap` reads this process's place in that layout from Megatron's own process
   groups (never from rank arithmetic) and checks that every TP rank and stage of a model
   replica has the same HDP rank, so all of them run the same row of the plan.
+* Expert parallelism (``--expert-model-parallel-size E``) is megatron-core's own: its expert
+  groups are carved out of the HDP ranks (E consecutive HDP ranks, checked by
+  :meth:`HDPRankMap.check_expert_groups`), expert gradients reduce over its
+  expert-data-parallel group. The plan keeps an expert group in step (``StepPlan.ep_size``).
 * :class:`HDPGroupManager` wraps the group in the runtime's ``HDPGroup`` and holds the
   micro-batch that is running *now*. The schedule driver binds each micro-batch
   (:meth:`HDPGroupManager.bind`) around its forward and backward; ``ByteScaleCoreAttention``
@@ -109,11 +113,15 @@ class HDPParallelLayout:
                 f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
                 f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
             )
-        if self.expert_model_parallel_size != 1:
+        ep = self.expert_model_parallel_size
+        if ep < 1:
+            reasons.append(f"--expert-model-parallel-size ({ep}) must be >= 1")
+        elif ep > 1 and self.pipeline_model_parallel_size > 1:
             reasons.append(
-                f"--expert-model-parallel-size {self.expert_model_parallel_size} cannot be "
-                "combined with --bytescale-hdp: MoE trains under HDP with every expert on every "
-                "HDP rank; run with --expert-model-parallel-size 1"
+                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size "
+                f"{self.pipeline_model_parallel_size} cannot be combined with --bytescale-hdp: "
+                "expert parallelism under HDP is checked without pipeline stages; run with "
+                "--expert-model-parallel-size 1 or --pipeline-model-parallel-size 1"
             )
         tp = self.tensor_model_parallel_size
         for flag, count in (
@@ -130,6 +138,12 @@ class HDPParallelLayout:
         if sizes_ok and self.world_size >= 1 and self.world_size % model_parallel:
             reasons.append(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
+            )
+        elif sizes_ok and ep > 1 and self.hdp_size % ep:
+            reasons.append(
+                f"--expert-model-parallel-size {ep} does not divide the {self.hdp_size} HDP ranks "
+                "(world size / (TP x PP)): expert groups are carved out of the HDP ranks; choose "
+                "a divisor of the HDP size"
             )
         return reasons
 
@@ -195,6 +209,33 @@ class HDPRankMap:
     hdp_global_ranks: tuple[int, ...]
     tp_global_ranks: tuple[int, ...] = ()
     pp_global_ranks: tuple[int, ...] = ()
+    ep_global_ranks: tuple[int, ...] = ()
+    """This rank's expert-parallel group (Megatron's), in expert-rank order; empty or one rank
+    without expert parallelism."""
+
+    @property
+    def ep_size(self) -> int:
+        return max(1, len(self.ep_global_ranks))
+
+    def check_expert_groups(self) -> None:
+        """Raise RuntimeError unless this rank's expert group is the block of HDP ranks the plan
+        assumes (``StepPlan.ep_size``: HDP ranks ``g*E .. g*E+E-1``, in that order).
+
+        Megatron carves expert groups out of DP x CP; with CP = 1 and its default order
+        (``tp-cp-ep-dp-pp``) they are consecutive data-parallel ranks. Another order would pair
+        ranks the plan does not keep in step, so it is refused here rather than hang."""
+        e = self.ep_size
+        if e == 1:
+            return
+        first = self.hdp_rank - self.hdp_rank % e
+        wanted = tuple(self.hdp_global_ranks[first:first + e])
+        if tuple(self.ep_global_ranks) != wanted:
+            raise RuntimeError(
+                f"Megatron's expert-parallel group of global rank {self.global_rank} is "
+                f"{list(self.ep_global_ranks)}; HDP plans expert groups as consecutive HDP ranks "
+                f"({list(wanted)} here); initialise Megatron with its default rank order "
+                "(tp-cp-ep-dp-pp) and --expert-tensor-parallel-size equal to the TP size"
+            )
 
     @property
     def hdp_size(self) -> int:
@@ -233,6 +274,7 @@ class HDPRankMap:
             hdp_global_ranks=ranks(ps.get_data_parallel_group(with_context_parallel=True)),
             tp_global_ranks=ranks(ps.get_tensor_model_parallel_group()),
             pp_global_ranks=ranks(ps.get_pipeline_model_parallel_group()),
+            ep_global_ranks=ranks(ps.get_expert_model_parallel_group()),
         )
 
     def verify(self) -> list[tuple[int, int, int]]:
@@ -356,6 +398,7 @@ class HDPGroupManager:
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         rank_map = HDPRankMap.from_megatron()
+        rank_map.check_expert_groups()
         ring_group = new_ring_groups(HDPRankMap.hdp_groups(rank_map.verify()), timeout=timeout)
         return cls(
             HDPGroup(group, ring_group=ring_group), attention_backend=attention_backend,
@@ -371,6 +414,11 @@ class HDPGroupManager:
     def pp_size(self) -> int:
         """Pipeline stages of the model replica (1 without a rank map)."""
         return self.rank_map.pp_size if self.rank_map is not None else 1
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel size (1 without a rank map): the plan's ``ep_size``."""
+        return self.rank_map.ep_size if self.rank_map is not None else 1
 
     @property
     def rank(self) -> int:

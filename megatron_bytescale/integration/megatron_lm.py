@@ -89,8 +89,8 @@ _REFUSED_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
      "HDP builds a uniform layer spec"),
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
-     "MoE trains under HDP with expert parallelism 1: there is no expert all-to-all to "
-     "overlap"),
+     "its overlap interleaves two micro-batches' expert all-to-alls, which HDP's slots of "
+     "different lengths do not pair up; leave it off"),
     ("sft", "--sft", "HDP plans documents from --data-path or --mock-data"),
     ("fim_data", "--fim-data", "HDP plans documents from --data-path or --mock-data"),
     ("train_data_path", "--train-data-path", "use --data-path (and --split)"),

@@ -63,7 +63,7 @@ def moe_refusals(settings: Any) -> list[str]:
     """Every reason the MoE settings cannot train under HDP (empty: they can, or no MoE).
 
     ``settings`` is a ``TransformerConfig`` (``num_moe_experts``) or Megatron-LM's ``args``
-    (``num_experts``). Expert parallelism > 1 is refused by ``HDPParallelLayout``.
+    (``num_experts``). The expert-parallel size itself is checked by ``HDPParallelLayout``.
     """
     experts = getattr(settings, "num_moe_experts", None) or getattr(settings, "num_experts", None)
     if not experts:
@@ -105,6 +105,15 @@ def moe_refusals(settings: Any) -> list[str]:
             f"--expert-tensor-parallel-size {etp} cannot be combined with --num-experts under "
             f"--bytescale-hdp: MoE trains under HDP with the experts split like the dense "
             f"layers; leave it unset or set it to --tensor-model-parallel-size {tp}"
+        )
+    ep = getattr(settings, "expert_model_parallel_size", 1) or 1
+    dispatcher = getattr(settings, "moe_token_dispatcher_type", "alltoall")
+    if ep > 1 and dispatcher != "alltoall":
+        reasons.append(
+            f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep} "
+            "cannot be combined with --bytescale-hdp: megatron-core's all-gather dispatcher "
+            "gathers equal row counts from every rank of the expert group, and HDP micro-batches "
+            "differ in length; use --moe-token-dispatcher-type alltoall"
         )
     if tp > 1 and pp > 1:
         reasons.append(

@@ -22,6 +22,7 @@ def make_step_planner(
     global_ranks: Optional[Sequence[int]] = None,
     topology: Optional[Topology] = None,
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
@@ -33,7 +34,9 @@ def make_step_planner(
     ``pp_size`` must be the run's pipeline depth (``HDPGroupManager.pp_size``): with PP > 1
     the balance scheduler plans PP-Balance (ring micro-batches at the same local index in every
     member pipeline, which the 1F1B driver needs), and the drivers refuse a plan made for
-    another depth. It must divide the cost model's layers.
+    another depth. It must divide the cost model's layers. ``ep_size`` must be the run's
+    expert-parallel size (``HDPGroupManager.ep_size``): ring micro-batches then sit at the same
+    local index on all members, so each expert group meets slot by slot (``StepPlan.ep_size``).
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -65,6 +68,7 @@ def make_step_planner(
             capacity=capacity,
             cost_model=cost_model,
             pp_size=pp_size,
+            ep_size=ep_size,
             offload=config.offload,
             overlong=config.overlong,
             align=config.align,

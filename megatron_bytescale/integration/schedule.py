@@ -298,9 +298,10 @@ def run_micro_batches(
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
     Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
     """
+    slots = check_plan_experts(step, manager)
     if not forward_only:
         install_ordered_grad_sync(model)
-        if step.num_micro_batches == 0:
+        if slots == 0:
             gather_params_without_forward(model)
     if manager.pp_size > 1:
         from .pipeline_schedule import run_pipeline_micro_batches
@@ -314,14 +315,15 @@ def run_micro_batches(
     from .chunk_schedule import refuse_chunks_without_pipeline
 
     refuse_chunks_without_pipeline(step)
-    count = step.num_micro_batches
+    count = slots
     no_sync = config.no_sync_func or contextlib.nullcontext
     records: list[MicroBatchRecord] = []
     forward_data_store: list = []
     local_tokens = torch.zeros([], dtype=torch.int, device=_grad_device(model))
-    for index, (planned, tensors) in enumerate(zip(step.micro_batches, step.micro_batch_tensors())):
+    for index, (planned, tensors) in enumerate(_slot_micro_batches(step, slots, manager, model)):
         deferred = not forward_only and index < count - 1
-        traffic = counters.start_micro_batch(planned.order) if counters is not None else None
+        traffic = (counters.start_micro_batch(planned.order)
+                   if counters is not None and planned is not None else None)
         clock = busy_clock()
         busy0, wall0 = clock(), time.perf_counter()
         with no_sync() if deferred else contextlib.nullcontext():
@@ -340,6 +342,8 @@ def run_micro_batches(
                 with micro_batch_scope(manager, tensors, counters, phase="backward"):
                     megatron_backward_step(output, model, config)
         local_tokens += num_tokens.to(local_tokens.device, non_blocking=True)
+        if planned is None:  # an empty slot (expert parallelism): nothing to record
+            continue
         records.append(
             MicroBatchRecord(
                 order=planned.order,
@@ -353,6 +357,33 @@ def run_micro_batches(
             )
         )
     return records, local_tokens, forward_data_store
+
+
+def check_plan_experts(step: "HDPStep", manager: HDPGroupManager) -> int:
+    """How many slots this rank runs (its micro-batches, then empty ones up to the busiest rank
+    of its expert group); refuses a plan made for another expert-parallel size than the run's.
+    """
+    from megatron_bytescale.planner.plan import expert_slots
+
+    ep = getattr(manager, "ep_size", 1)
+    if step.plan.ep_size != ep:
+        raise ValueError(
+            f"step {step.index}: the plan was made for expert-parallel size {step.plan.ep_size}, "
+            f"this run has --expert-model-parallel-size {ep}; build the planner with "
+            f"ep_size={ep} (make_step_planner(..., ep_size=...))"
+        )
+    return expert_slots(step.plan, step.hdp_rank)
+
+
+def _slot_micro_batches(step: "HDPStep", slots: int, manager: HDPGroupManager,
+                        model: torch.nn.Module) -> Iterator[tuple[Any, "MicroBatchTensors"]]:
+    """``(planned micro-batch, tensors)`` for every slot; ``(None, empty)`` past this rank's own
+    micro-batches (:func:`~megatron_bytescale.runtime.layout.empty_micro_batch`)."""
+    from megatron_bytescale.runtime.layout import empty_micro_batch
+
+    yield from zip(step.micro_batches, step.micro_batch_tensors())
+    for _ in range(step.num_micro_batches, slots):
+        yield None, empty_micro_batch(manager.hdp, device=_grad_device(model))
 
 
 @contextlib.contextmanager
@@ -471,6 +502,15 @@ def check_model_config(config: Any, manager: Optional[HDPGroupManager] = None) -
             "config.finalize_model_grads_func is not set; set it to "
             "megatron.core.distributed.finalize_model_grads so gradients are reduced over the "
             "HDP group"
+        )
+    model_ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    run_ep = getattr(manager, "ep_size", 1) if manager is not None else model_ep
+    if getattr(config, "num_moe_experts", None) and model_ep != run_ep:
+        raise ValueError(
+            f"the model is built for expert_model_parallel_size {model_ep}, but Megatron runs "
+            f"--expert-model-parallel-size {run_ep}: its experts would be reduced over the wrong "
+            "group; build the config after initialize_hdp_model_parallel (make_transformer_config "
+            "reads the layout)"
         )
     model_pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     if manager is not None and model_pp != manager.pp_size:

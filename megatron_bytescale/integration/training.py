@@ -60,7 +60,8 @@ def make_transformer_config(
 
     On a machine without CUDA the model is initialised on the CPU
     (``use_cpu_initialization=True``; megatron's GPU initialisation asserts CUDA). The TP and
-    PP sizes default to those Megatron was initialised with (pass ``sequence_parallel=True``
+    PP sizes (and, for a MoE model, the expert-parallel size) default to those Megatron was
+    initialised with (pass ``sequence_parallel=True``
     to split the token dimension over the TP ranks).
     """
     from megatron.core import parallel_state
@@ -82,6 +83,9 @@ def make_transformer_config(
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         )
+        if overrides.get("num_moe_experts"):
+            settings["expert_model_parallel_size"] = (
+                parallel_state.get_expert_model_parallel_world_size())
     settings.update(overrides)
     if not settings["calculate_per_token_loss"]:
         raise ValueError("HDP needs calculate_per_token_loss=True")

@@ -117,6 +117,11 @@ class StepPlan:
     ``virtual_pipeline_size`` (v): model chunks per pipeline stage of the interleaved 1F1B
     schedule (1: plain 1F1B); it changes the estimate (:mod:`.pipeline_floor`), not the rings.
     It is written to JSON only when above 1, so plans without it keep their hash.
+    ``ep_size`` (E): expert-parallel size; HDP ranks ``g*E .. g*E+E-1`` form expert group g,
+    whose ranks meet in the MoE all-to-all of every micro-batch. With E > 1 a ring micro-batch
+    sits at the same local index (its *slot*) on every member, and every rank of an expert
+    group runs as many slots as the busiest of them (:func:`expert_slots`; a rank with nothing
+    to train in a slot runs an empty micro-batch). Written to JSON only when above 1.
     """
 
     hdp_size: int
@@ -131,6 +136,7 @@ class StepPlan:
     meta: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
     virtual_pipeline_size: int = 1
+    ep_size: int = 1
 
     # ------------------------------------------------------------------ queries
     def sequence_lengths(self) -> dict[int, int]:
@@ -227,6 +233,7 @@ class StepPlan:
             "scheduler": self.scheduler,
             "layers_per_stage": self.layers_per_stage,
             **({"virtual_pipeline_size": self.virtual_pipeline_size} if self.virtual_pipeline_size != 1 else {}),
+            **({"ep_size": self.ep_size} if self.ep_size != 1 else {}),
             "align": self.align,
             "sequences": [{"id": s.id, "length": s.length} for s in self.sequences],
             "ranks": [
@@ -315,6 +322,7 @@ class StepPlan:
                 scheduler=scheduler,
                 layers_per_stage=_as_int(data.get("layers_per_stage", 1), "layers_per_stage"),
                 virtual_pipeline_size=_as_int(data.get("virtual_pipeline_size", 1), "virtual_pipeline_size"),
+                ep_size=_as_int(data.get("ep_size", 1), "ep_size"),
                 align=_as_int(data.get("align", 1), "align"),
                 sequences=tuple(
                     Sequence(id=_as_int(s["id"], f"sequences[{k}].id"),
@@ -474,6 +482,8 @@ def _validate(plan: StepPlan) -> None:
     check_virtual_pipeline(plan.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)
     if len(plan.ranks) != plan.hdp_size:
         raise PlanError(f"plan has {len(plan.ranks)} rank entries for hdp_size {plan.hdp_size}")
+    if plan.ep_size < 1 or plan.hdp_size % plan.ep_size:
+        raise PlanError(f"ep_size ({plan.ep_size}) must be >= 1 and divide hdp_size ({plan.hdp_size})")
     lengths: dict[int, int] = {}
     for s in plan.sequences:
         if s.id in lengths:
@@ -550,6 +560,12 @@ def _validate(plan: StepPlan) -> None:
                 f"order {order}: with pp_size {plan.pp_size} ring members must hold the micro-batch "
                 f"at the same local index, got {dict(sorted(members.items()))}"
             )
+        if plan.ep_size > 1 and len(set(members.values())) != 1:
+            raise PlanError(
+                f"order {order}: with ep_size {plan.ep_size} ring members must hold the micro-batch "
+                f"at the same local index (slot), got {dict(sorted(members.items()))}: the expert "
+                "all-to-all of a slot would wait on a ring member still in another slot"
+            )
 
     _check_chunk_groups(rings, chunk_of, lengths)
 
@@ -618,6 +634,15 @@ def _check_chunk_groups(
         if seqs != want:
             raise PlanError(f"order {order} (chunk {i} of {k}) carries sequences {list(seqs)}, expected "
                             f"{list(want)} (those of the last chunk with tokens in chunk {i}, same order)")
+
+
+def expert_slots(plan: StepPlan, rank: int) -> int:
+    """Slots HDP rank ``rank`` runs: the most micro-batches any rank of its expert group runs
+    (its own count when ``ep_size`` is 1). Slots past its own micro-batches are empty: the rank
+    still joins its group's expert all-to-alls in them, with zero tokens."""
+    e = plan.ep_size
+    first = rank - rank % e
+    return max(len(plan.ranks[r].micro_batches) for r in range(first, first + e))
 
 
 def _check_piece_order(mb: MicroBatch, where: str) -> None:
@@ -749,6 +774,7 @@ class PlanBuilder:
         *,
         scheduler: str,
         pp_size: int = 1,
+        ep_size: int = 1,
         layers_per_stage: int = 1,
         sequences: Iterable[Sequence] | None = None,
         estimate: Estimate | None = None,
@@ -763,6 +789,7 @@ class PlanBuilder:
             hdp_size=self.hdp_size,
             capacity=self.capacity,
             pp_size=pp_size,
+            ep_size=ep_size,
             scheduler=scheduler,
             sequences=seqs,
             ranks=tuple(

@@ -150,7 +150,7 @@ class AttentionLayout:
         return self._memo[key]
 
     def __post_init__(self) -> None:
-        if not self.slots:
+        if not self.slots and self.num_tokens:  # no slots: the empty micro-batch (0 rows)
             raise ValueError("an attention layout needs at least one sequence")
         pos = 0
         for slot in self.slots:
@@ -456,3 +456,26 @@ def _plan_rank(plan: StepPlan, rank: int):
     if len(plan.ranks) != plan.hdp_size or plan.ranks[rank].rank != rank:
         raise ValueError(f"plan has no entry for rank {rank} (malformed plan; run plan.validate())")
     return plan.ranks[rank]
+
+
+def empty_micro_batch(hdp: HDPGroup | int, *, device: torch.device | str | None = None
+                      ) -> MicroBatchTensors:
+    """A micro-batch with no real token, on a ring of this rank alone (``order`` -1).
+
+    Under expert parallelism every rank of an expert group meets the others in the MoE
+    all-to-all of every slot (``StepPlan.ep_size``); a rank with nothing to train in a slot
+    runs this one, forward and backward, so its group never waits for it. Its row is one
+    padding token (megatron-core's attention cannot reshape a row of zero tokens): loss mask 0,
+    no slot in the layout, so it attends to nothing, adds no router loss and changes no
+    gradient.
+    """
+    rank = hdp.rank if isinstance(hdp, HDPGroup) else int(hdp)
+    ring = hdp.ring((rank,)) if isinstance(hdp, HDPGroup) else Ring((rank,), 0)
+    move = _mover(device)
+    pad = torch.full((1,), PAD_TOKEN_ID, dtype=torch.long)
+    return MicroBatchTensors(
+        tokens=move(pad), labels=move(pad.clone()), loss_mask=move(torch.zeros(1)),
+        position_ids=move(torch.zeros(1, dtype=torch.long)),
+        layout=AttentionLayout(ring=ring, slots=(), num_tokens=0),
+        order=-1, offload_ratio=0.0, num_loss_tokens=0,
+    )

@@ -248,4 +248,10 @@ class _CudaDeviceToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.distributed.all_to_all_single:
+            # megatron-core's all-to-all dispatcher turns its split sizes into numpy arrays only
+            # when they come from a GPU (``maybe_move_tensor_to_cpu``); on the CPU they stay
+            # tensors, which torch's all_to_all_single does not take
+            kwargs = {k: (v.tolist() if torch.is_tensor(v) and "split" in k else v)
+                      for k, v in kwargs.items()}
         return func(*args, **kwargs)

@@ -101,7 +101,24 @@ def reference_name(model, name: str, full: dict[str, torch.Tensor]) -> str:
         name = f"decoder.layers.{int(match.group(1)) + offset}." + name[match.end():]
     if name not in full and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
-    return name
+    return global_expert_name(model, name)
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def global_expert_name(model, name: str) -> str:
+    """With expert parallelism, local expert i of expert rank r is global expert
+    ``r x (experts per rank) + i`` (megatron-core's numbering); other names are unchanged."""
+    from megatron.core import parallel_state
+
+    match = _LOCAL_EXPERT.search(name)
+    ep = parallel_state.get_expert_model_parallel_world_size() if match else 1
+    if ep == 1:
+        return name
+    per_rank = model.config.num_moe_experts // ep
+    index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(match.group(1))
+    return f"{name[:match.start()]}.local_experts.{index}.{name[match.end():]}"
 
 
 def shard(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:

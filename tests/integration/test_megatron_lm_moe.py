@@ -3,12 +3,13 @@
 One run on 2 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
 ``megatron_bytescale.testing.megatron_lm``): 4 experts, top-2, the all-to-all dispatcher,
 SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, expert
-parallelism 1. Megatron's own loop runs the steps; the HDP summary line is in the log.
+parallelism 2 (both HDP ranks form one expert group, two experts each). Megatron's own loop
+runs the steps; the HDP summary line is in the log.
 The gradients themselves are checked against megatron-core in ``test_moe_training.py``.
 
 Megatron's own ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (PP 4, EP 8) with the
-documented ``--bytescale-*`` additions is refused naming exactly its two parallel sizes HDP does
-not serve for MoE; with PP 1 and EP 1 its flags pass the patched ``validate_args``.
+documented ``--bytescale-*`` additions is refused naming its expert-parallel size (EP with PP
+is not served); with EP 1 its flags pass the patched ``validate_args``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ MIXTRAL_STYLE = ["--num-experts", "4", "--moe-router-topk", "2",
 
 def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tmp_path):
     write_indexed_dataset(tmp_path / "text_document", random_documents(7, 120, vocab=255))
-    flags = [*PRETRAIN, *MIXTRAL_STYLE, "--data-path", str(tmp_path / "text_document"),
-             "--split", "98,1,1"]
+    flags = [*PRETRAIN, *MIXTRAL_STYLE, "--expert-model-parallel-size", "2",
+             "--data-path", str(tmp_path / "text_document"), "--split", "98,1,1"]
     run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=2, cwd=tmp_path)
     assert run.returncode == 0, run.tail()
     losses = _losses(run.stdout)
@@ -65,8 +66,9 @@ def test_mixtral_example_is_refused_only_for_its_expert_parallel_size(patched_me
         ("bytescale_hdp", "num_experts", "moe_router_topk", "data_parallel_size",
          "calculate_per_token_loss", "moe_token_dispatcher_type"), world_size=8)
     said = _said(refused)
+    # expert parallelism trains under HDP without pipeline stages; the example's EP 8 with PP 4
+    # (and 8 does not divide its 2 HDP ranks at 8 processes) is refused, naming the flag
     assert refused.refused and "--expert-model-parallel-size 8" in said, said
-    assert "--pipeline-model-parallel-size" not in said  # MoE trains under HDP with PP
     assert not served.refused, _said(served)
     assert served.values == dict(bytescale_hdp=True, num_experts=8, moe_router_topk=2,
                                  data_parallel_size=2, calculate_per_token_loss=True,

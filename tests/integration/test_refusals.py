@@ -17,7 +17,10 @@ from megatron_bytescale.testing import cpu_compat
         (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
         (dict(virtual_pipeline_model_parallel_size=2), "interleaved pipeline stages"),
-        (dict(expert_model_parallel_size=2), "--expert-model-parallel-size 2"),
+        (dict(expert_model_parallel_size=3), "--expert-model-parallel-size 3 does not divide the "
+                                             "8 HDP ranks"),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+         "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2"),
         (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
         (dict(tensor_model_parallel_size=4, num_attention_heads=6),
          "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
@@ -37,6 +40,12 @@ def test_layout_reports_every_refusal_at_once():
                           pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert len(info.value.reasons) == 3
     assert "cannot run with these 3 arguments" in str(info.value)
+
+
+def test_layout_serves_expert_parallelism_that_divides_the_hdp_ranks():
+    assert HDPParallelLayout(world_size=8, expert_model_parallel_size=8).hdp_size == 8
+    assert HDPParallelLayout(world_size=8, tensor_model_parallel_size=2,
+                             expert_model_parallel_size=2).hdp_size == 4
 
 
 def test_layout_serves_tensor_and_pipeline_parallelism():

@@ -57,6 +57,7 @@ def make_plan(
     estimate: bool = True,
     topology: Topology | None = None,
     pieces: bool = True,
+    ep_size: int = 1,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -84,6 +85,9 @@ def make_plan(
             token pieces (``meta["pieces"] = False``; ``validate()`` rejects it and the runtime
             cannot train it). The simulator uses it: splitting every document of a 2M-token
             static bin over 256 ranks costs more than the whole schedule at scale.
+        ep_size: expert-parallel size (must divide ``hdp_size``): every ring micro-batch then
+            sits at the same local index on all its members (``StepPlan.ep_size``); ``balance``
+            plans it with PP-Balance's count groups, the other schedulers are checked.
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -97,7 +101,7 @@ def make_plan(
     request = build_request(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
-        delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces,
+        delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
@@ -109,10 +113,27 @@ def make_plan(
             plan = replace(plan, estimate=estimate_plan(plan, request.cost_model, request.topology))
         elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
             plan = replace(plan, estimate=None)
+        if ep_size > 1:
+            check_expert_slots(plan, scheduler)
     finally:
         if was_enabled:
             gc.enable()
     return plan
+
+
+def check_expert_slots(plan: StepPlan, scheduler: str) -> None:
+    """Raise ValueError unless every ring micro-batch of ``plan`` sits at the same local index on
+    all its members (what expert parallelism needs; ``StepPlan.validate`` checks the same)."""
+    for rank_plan in plan.ranks:
+        for local, mb in enumerate(rank_plan.micro_batches):
+            for member in mb.ring:
+                theirs = plan.ranks[member].micro_batches
+                if local >= len(theirs) or theirs[local].order != mb.order:
+                    raise ValueError(
+                        f"scheduler {scheduler!r} cannot plan for expert parallelism "
+                        f"(ep_size {plan.ep_size}): its ring micro-batch {mb.order} sits at "
+                        "different local indices on its members; use --bytescale-scheduler balance"
+                    )
 
 
 __all__ = ["SCHEDULERS", "OVERLONG_MODES", "make_plan", "static_cp_size"]

@@ -38,6 +38,9 @@ class PlanRequest:
     cost_model: CostModel
     pp_size: int = 1
     layers: int
+    ep_size: int = 1
+    """Expert-parallel size: ring micro-batches then sit at the same local index on every
+    member (the MoE all-to-all of an expert group meets slot by slot; ``StepPlan.ep_size``)."""
     offload: bool = True
     overlong: str = "error"
     align: int = 1
@@ -125,6 +128,7 @@ def build_request(
     num_buckets: int,
     topology: Topology | None = None,
     pieces: bool = True,
+    ep_size: int = 1,
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -134,6 +138,10 @@ def build_request(
     hdp_size = _check_int("hdp_size", hdp_size)
     capacity = _check_int("capacity", capacity)
     pp_size = _check_int("pp_size", pp_size)
+    ep_size = _check_int("ep_size", ep_size)
+    if hdp_size % ep_size:
+        raise ValueError(f"ep_size ({ep_size}) must divide hdp_size ({hdp_size}): expert groups are "
+                         "carved out of the HDP ranks")
     align = _check_int("align", align)
     num_buckets = _check_int("num_buckets", num_buckets)
     if context_length is not None:
@@ -162,7 +170,7 @@ def build_request(
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
-        topology=topology, pieces=bool(pieces),
+        topology=topology, pieces=bool(pieces), ep_size=ep_size,
     )
 
 
@@ -297,7 +305,8 @@ def emit_plan(
         **(meta or {}),
     }
     sequences = tuple(map(_sequence, request.ids, request.lengths))
-    return builder.build(scheduler=scheduler, pp_size=request.pp_size, layers_per_stage=request.layers,
+    return builder.build(scheduler=scheduler, pp_size=request.pp_size, ep_size=request.ep_size,
+                         layers_per_stage=request.layers,
                          sequences=sequences, meta=full_meta)
 
 

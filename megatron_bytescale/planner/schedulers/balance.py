@@ -123,7 +123,7 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     # the set with the lowest floor first; a later one whose floor is already slower than the
     # best plan cannot win (ties go to the earlier set of unit_options: no offload)
     options.sort(key=lambda o: (o[0], o[1]))
-    if request.pp_size > 1:
+    if request.pp_size > 1 or request.ep_size > 1:  # rings aligned by count groups
         return _best_pp_plan(request, options, meta)
     best = None
     for floor, index, choice, ctx, base, units, widened in options:
