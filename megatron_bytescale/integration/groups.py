@@ -42,10 +42,8 @@ if TYPE_CHECKING:  # runtime types, imported lazily at run time
 logger = logging.getLogger(__name__)
 
 VIRTUAL_PIPELINE_REASON = (
-    "Megatron's interleaved schedule runs micro-batches in groups of at least PP per model "
-    "chunk (the count must be >= PP and fit microbatch_group_size_per_vp_stage), while every "
-    "HDP pipeline runs its own planned count, zero included; use the non-interleaved 1F1B "
-    "schedule, whose bubbles the balance scheduler's PP-Balance evens out"
+    "interleaved stages split each pipeline stage into model chunks, so they need pipeline "
+    "parallelism; add --pipeline-model-parallel-size > 1 or drop the virtual stages"
 )
 
 
@@ -102,12 +100,12 @@ class HDPParallelLayout:
             if value < 1:
                 sizes_ok = False
                 reasons.append(f"{name} ({value}) must be >= 1")
-        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+        if self.virtual_pipeline_model_parallel_size not in (None, 1) and self.pipeline_model_parallel_size == 1:
             reasons.append(
                 "interleaved pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                 "--num-virtual-stages-per-pipeline-rank, here "
-                f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
-                f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
+                f"{self.virtual_pipeline_model_parallel_size} virtual stages) with "
+                f"--pipeline-model-parallel-size 1: {VIRTUAL_PIPELINE_REASON}"
             )
         if self.expert_model_parallel_size != 1:
             reasons.append(
