@@ -142,14 +142,7 @@ class HDPParallelLayout:
     def from_megatron_args(cls, args: Any) -> "HDPParallelLayout":
         """Check a Megatron ``args`` namespace (after ``parse_args``, before or after
         ``validate_args``: virtual stages are read from whichever flag says so)."""
-        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        if virtual is None:
-            virtual = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-        per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        if virtual is None and per_virtual_stage:
-            pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-            layers = int(getattr(args, "num_layers", 0) or 0)
-            virtual = layers // pp // int(per_virtual_stage) if layers else 2
+        virtual = virtual_stages_from_args(args)
         heads = getattr(args, "num_attention_heads", None)
         groups = getattr(args, "num_query_groups", None)
         return cls(
@@ -165,6 +158,19 @@ class HDPParallelLayout:
                 int(groups) if groups and getattr(args, "group_query_attention", False) else None
             ),
         )
+
+
+def virtual_stages_from_args(args: Any) -> Optional[int]:
+    """Virtual stages per pipeline stage from Megatron ``args``, from whichever flag says so."""
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if virtual is None:
+        virtual = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if virtual is None and per_virtual_stage:
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        layers = int(getattr(args, "num_layers", 0) or 0)
+        virtual = layers // pp // int(per_virtual_stage) if layers else 2
+    return virtual
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -116,7 +116,14 @@ def test_validate_sets_what_hdp_needs():
     [
         ((), dict(context_parallel_size=2), "--context-parallel-size 2"),
         ((), dict(pipeline_model_parallel_size=2, num_layers=4,
-                  num_layers_per_virtual_pipeline_stage=1), "interleaved pipeline stages"),
+                  num_layers_per_virtual_pipeline_stage=1), "need --overlap-p2p-comm"),
+        ((), dict(num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+         "with --pipeline-model-parallel-size 1"),
+        ((), dict(pipeline_model_parallel_size=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
+                  overlap_grad_reduce=True), "--overlap-grad-reduce cannot be combined with interleaved"),
+        (("--bytescale-offload",), dict(pipeline_model_parallel_size=4, num_layers=8,
+                                        num_layers_per_virtual_pipeline_stage=1),
+         "--bytescale-offload cannot be combined with interleaved"),
         ((), dict(tensor_model_parallel_size=4), "--num-query-groups 2 is not divisible by "
          "--tensor-model-parallel-size 4"),
         ((), dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
@@ -161,6 +168,16 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     err = capsys.readouterr().err
     assert err.startswith("megatron_bytescale: error: ") and flag in err
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1,
+         overlap_p2p_comm=True),
+    dict(pipeline_model_parallel_size=4, num_layers=8, virtual_pipeline_model_parallel_size=2),
+])
+def test_interleaved_stages_pass_with_pipeline_parallelism(layout):
+    args = megatron_namespace("--bytescale-hdp", mock_data=True, **{**tiny_model_args(), **layout})
+    assert megatron_lm.hdp_refusals(args) == []
 
 
 @pytest.mark.parametrize("dispatcher, layout", [
