@@ -235,9 +235,10 @@ def _virtual_stage_refusals(args: Any) -> list[str]:
                for attribute, flag in (("overlap_grad_reduce", "--overlap-grad-reduce"),
                                        ("bytescale_offload", "--bytescale-offload"))
                if getattr(args, attribute, False)]
-    if pp == 2 and not getattr(args, "overlap_p2p_comm", False):
-        reasons.append(f"{said} with --pipeline-model-parallel-size 2 need --overlap-p2p-comm "
-                       "(Megatron-LM asserts it; the HDP driver sends without batching either way)")
+    if pp == 2 and getattr(args, "overlap_p2p_comm", True) is False:
+        reasons.append(f"--no-overlap-p2p-communication cannot be combined with {said} at "
+                       "--pipeline-model-parallel-size 2 (Megatron-LM asserts PP > 2 then; the HDP "
+                       "driver sends without batching either way); drop that flag")
     return reasons
 
 

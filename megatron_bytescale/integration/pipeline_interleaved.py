@@ -115,6 +115,7 @@ def run_interleaved_micro_batches(
     inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     in_flight: list[tuple[Any, Optional[torch.Tensor]]] = []  # (send handles, output to free after)
+    sent: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # forward sends not yet seen done
     no_sync = contextlib.ExitStack()
     if not forward_only:
         for chunk in chunks:
@@ -124,7 +125,7 @@ def run_interleaved_micro_batches(
         for op in program:
             i, c = op.index, op.chunk
             mb = micro_batch(i)
-            _free_sent(in_flight, config)
+            _free_sent(in_flight, config)  # finished gradient sends
             if op.phase == "F":
                 received = p2p.recv_forward(shape(i), False) if op.receive else None
                 if counters is not None and i not in traffic:
@@ -140,11 +141,15 @@ def run_interleaved_micro_batches(
                 inputs[(i, c)], outputs[(i, c)] = received, output
                 if op.send:
                     _, handles = p2p.send_forward_recv_forward(output, False, None, overlap_p2p_comm=True)
-                    in_flight.append((handles, output))
+                    sent[(i, c)] = (handles, output)
                 elif forward_only:
                     deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
             else:
                 grad_in = p2p.recv_backward(shape(i), False) if op.receive else None
+                if (i, c) in sent:
+                    # its output went to the op whose backward sent grad_in, so the send is done;
+                    # Megatron's backward wants the output freed (deallocate_pipeline_outputs)
+                    _free_sent([sent.pop((i, c))], config, wait=True)
                 backwards -= 1
                 if backwards == 0:
                     no_sync.close()  # the last backward queues the gradient reduction
@@ -156,6 +161,7 @@ def run_interleaved_micro_batches(
                 if op.send:
                     _, handles = p2p.send_backward_recv_backward(grad_out, False, None, overlap_p2p_comm=True)
                     in_flight.append((handles, None))
+        in_flight.extend(sent.values())
         _free_sent(in_flight, config, wait=True)
 
     out = []

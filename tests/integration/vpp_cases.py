@@ -27,8 +27,9 @@ LAYERS = 4
 def model_config():
     from megatron_bytescale.integration.training import make_transformer_config
 
+    # Megatron-LM's default: stage outputs are freed after their send, backward_step asserts it
     return make_transformer_config(num_layers=LAYERS, hidden_size=32, num_attention_heads=4,
-                                   num_query_groups=2, ffn_hidden_size=64)
+                                   num_query_groups=2, ffn_hidden_size=64, deallocate_pipeline_outputs=True)
 
 
 def references(batches) -> list[dict[str, Any]]:
