@@ -46,10 +46,8 @@ if TYPE_CHECKING:  # runtime types, imported lazily at run time
 logger = logging.getLogger(__name__)
 
 VIRTUAL_PIPELINE_REASON = (
-    "Megatron's interleaved schedule runs micro-batches in groups of at least PP per model "
-    "chunk (the count must be >= PP and fit microbatch_group_size_per_vp_stage), while every "
-    "HDP pipeline runs its own planned count, zero included; use the non-interleaved 1F1B "
-    "schedule, whose bubbles the balance scheduler's PP-Balance evens out"
+    "interleaved stages split each pipeline stage into model chunks, so they need pipeline "
+    "parallelism; add --pipeline-model-parallel-size > 1 or drop the virtual stages"
 )
 
 
@@ -106,12 +104,12 @@ class HDPParallelLayout:
             if value < 1:
                 sizes_ok = False
                 reasons.append(f"{name} ({value}) must be >= 1")
-        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+        if self.virtual_pipeline_model_parallel_size not in (None, 1) and self.pipeline_model_parallel_size == 1:
             reasons.append(
                 "interleaved pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                 "--num-virtual-stages-per-pipeline-rank, here "
-                f"{self.virtual_pipeline_model_parallel_size} virtual stages) cannot be combined "
-                f"with --bytescale-hdp: {VIRTUAL_PIPELINE_REASON}"
+                f"{self.virtual_pipeline_model_parallel_size} virtual stages) with "
+                f"--pipeline-model-parallel-size 1: {VIRTUAL_PIPELINE_REASON}"
             )
         ep = self.expert_model_parallel_size
         if ep < 1:
@@ -158,14 +156,7 @@ class HDPParallelLayout:
     def from_megatron_args(cls, args: Any) -> "HDPParallelLayout":
         """Check a Megatron ``args`` namespace (after ``parse_args``, before or after
         ``validate_args``: virtual stages are read from whichever flag says so)."""
-        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        if virtual is None:
-            virtual = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-        per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        if virtual is None and per_virtual_stage:
-            pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-            layers = int(getattr(args, "num_layers", 0) or 0)
-            virtual = layers // pp // int(per_virtual_stage) if layers else 2
+        virtual = virtual_stages_from_args(args)
         heads = getattr(args, "num_attention_heads", None)
         groups = getattr(args, "num_query_groups", None)
         return cls(
@@ -181,6 +172,19 @@ class HDPParallelLayout:
                 int(groups) if groups and getattr(args, "group_query_attention", False) else None
             ),
         )
+
+
+def virtual_stages_from_args(args: Any) -> Optional[int]:
+    """Virtual stages per pipeline stage from Megatron ``args``, from whichever flag says so."""
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if virtual is None:
+        virtual = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if virtual is None and per_virtual_stage:
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        layers = int(getattr(args, "num_layers", 0) or 0)
+        virtual = layers // pp // int(per_virtual_stage) if layers else 2
+    return virtual
 
 
 @dataclass(frozen=True, kw_only=True)

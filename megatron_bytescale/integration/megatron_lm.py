@@ -214,11 +214,32 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
     reasons += moe_refusals(args)
+    reasons += _virtual_stage_refusals(args)
     reasons += _data_flag_refusals(args)
     reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
     if reasons or layout is None:
         raise RefusedArguments(reasons)
     return layout
+
+
+def _virtual_stage_refusals(args: Any) -> list[str]:
+    """What interleaved stages (``pipeline_interleaved``) do not run with under HDP."""
+    from .groups import virtual_stages_from_args
+
+    vpp = virtual_stages_from_args(args)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if vpp in (None, 1) or pp == 1:  # PP 1: the layout refuses virtual stages
+        return []
+    said = f"interleaved pipeline stages ({vpp} virtual stages)"
+    reasons = [f"{flag} cannot be combined with {said} under --bytescale-hdp; drop one of them"
+               for attribute, flag in (("overlap_grad_reduce", "--overlap-grad-reduce"),
+                                       ("bytescale_offload", "--bytescale-offload"))
+               if getattr(args, attribute, False)]
+    if pp == 2 and getattr(args, "overlap_p2p_comm", True) is False:
+        reasons.append(f"--no-overlap-p2p-communication cannot be combined with {said} at "
+                       "--pipeline-model-parallel-size 2 (Megatron-LM asserts PP > 2 then; the HDP "
+                       "driver sends without batching either way); drop that flag")
+    return reasons
 
 
 def validate_args(args: Any) -> ByteScaleConfig:
@@ -455,10 +476,13 @@ def wrap_datasets_provider(megatron_provider: Callable[..., Any]) -> Callable[..
     """
 
     @functools.wraps(megatron_provider)
-    def provider(*args: Any, **kwargs: Any) -> Any:
+    def provider(*args: Any, vp_stage: Optional[int] = None, **kwargs: Any) -> Any:
         args_ = megatron_args()
         if args_ is not None and getattr(args_, "bytescale_hdp", False):
-            return build_hdp_data_iterators(args_)
+            # interleaved stages: Megatron asks once per model chunk; the step reads chunk 0's
+            return build_hdp_data_iterators(args_) if not vp_stage else (None, None, None)
+        if vp_stage is not None:
+            kwargs["vp_stage"] = vp_stage
         return megatron_provider(*args, **kwargs)
 
     return provider

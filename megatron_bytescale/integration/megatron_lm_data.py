@@ -340,7 +340,8 @@ def build_hdp_data_iterators(args: Any) -> tuple[Any, Any, Any]:
         manager.two_level_topology = topology
     planner = make_step_planner(config, hdp_size=manager.size, cost_model=cost_model,
                                 topology=topology, pp_size=manager.pp_size,
-                                ep_size=manager.ep_size)
+                                ep_size=manager.ep_size,
+                                vpp_size=int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1))
     seq_length = int(args.seq_length)
     eval_batch_size = evaluation_global_batch_size(args)  # --eval-global-batch-size on 0.19
     tokens_per_batch = eval_batch_size * seq_length

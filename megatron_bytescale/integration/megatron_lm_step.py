@@ -100,8 +100,10 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
 
     if collect_non_loss_data:
         raise ValueError("collecting non-loss data is not supported with --bytescale-hdp")
-    model = _only(model, "model chunk")
-    data_iterator = _only(data_iterator, "data iterator")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    # interleaved stages: one model chunk each, one HDP step (chunk 0's iterator; the rest None)
+    model = chunks[0] if len(chunks) == 1 else chunks
+    data_iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
     if data_iterator is None:
         raise ValueError("no HDP data iterator for this phase (is its --split share empty? "
                          "then pass --eval-iters 0)")
@@ -111,13 +113,13 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
             f"the HDP schedule needs HDPStep items from its data iterator, got "
             f"{type(step).__name__}; build the iterators with megatron_lm.wrap_datasets_provider"
         )
-    config = get_model_config(model)
+    config = get_model_config(chunks[0])
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     from megatron_bytescale.runtime import CommCounters
 
     manager = get_hdp_manager()
-    offloader = None if forward_only else _offloader(model)
+    offloader = None if forward_only or len(chunks) > 1 else _offloader(model)
     records, tokens, store = run_micro_batches(step, model=model, config=config,
                                                manager=manager,
                                                forward_step_func=forward_step_func,
@@ -126,7 +128,7 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     check_trained_loss_tokens(step, records, manager)  # on the host: no device read-back (D12)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
-            [model], tokens if config.calculate_per_token_loss else None,
+            chunks, tokens if config.calculate_per_token_loss else None,
             force_all_reduce=force_all_reduce,
         )  # fmt: skip
     offload = None
@@ -155,15 +157,6 @@ def _offloader(model: Any) -> Any:
     # the pinned host pool stays within the host budget the planner used (Eq. 3)
     host_gb = getattr(args, "bytescale_host_memory_gb", None)
     return activation_offloader(model, host_memory_bytes=host_gb * 1e9 if host_gb else None)
-
-
-def _only(value: Any, what: str) -> Any:
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ValueError(f"HDP runs one {what} per rank (no virtual pipeline stages), got "
-                             f"{len(value)}")
-        return value[0]
-    return value
 
 
 def megatron_args() -> Any:

@@ -23,6 +23,7 @@ def make_step_planner(
     topology: Optional[Topology] = None,
     pp_size: int = 1,
     ep_size: int = 1,
+    vpp_size: int = 1,
 ) -> Callable[[list[int]], StepPlan]:
     """``lengths -> StepPlan`` with the config's scheduler (or ``scheduler``), capacity, etc.
 
@@ -37,6 +38,9 @@ def make_step_planner(
     another depth. It must divide the cost model's layers. ``ep_size`` must be the run's
     expert-parallel size (``HDPGroupManager.ep_size``): ring micro-batches then sit at the same
     local index on all members, so each expert group meets slot by slot (``StepPlan.ep_size``).
+    ``vpp_size`` > 1: the run's virtual stages per stage
+    (``--virtual-pipeline-model-parallel-size``); plans carry it and are estimated with the
+    interleaved schedule the driver runs.
     """
     from megatron_bytescale.planner.schedulers import make_plan
 
@@ -60,8 +64,13 @@ def make_step_planner(
     if config.host_memory_gb is not None:
         cost_model = cost_model.with_(host_memory_bytes=config.host_memory_gb * 1e9)
 
+    if vpp_size != 1:
+        from megatron_bytescale.planner.plan import check_virtual_pipeline
+
+        check_virtual_pipeline(vpp_size, pp_size, cost_model.layers_per_stage(pp_size))
+
     def plan(lengths: list[int]) -> StepPlan:
-        return make_plan(
+        made = make_plan(
             lengths,
             scheduler=chosen,
             hdp_size=hdp_size,
@@ -75,6 +84,11 @@ def make_step_planner(
             context_length=config.context_length,
             topology=topology,
         )
+        if vpp_size == 1:
+            return made
+        from megatron_bytescale.planner.estimate import with_virtual_pipeline
+
+        return with_virtual_pipeline(made, vpp_size, cost_model, topology)
 
     return plan
 

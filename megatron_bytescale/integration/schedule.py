@@ -187,7 +187,9 @@ def run_hdp_step(
     Args:
         step: this rank's view of the step (from ``HDPDataIterator``).
         model: the Megatron ``DistributedDataParallel``-wrapped model; its config must have
-            ``calculate_per_token_loss=True`` and ``finalize_model_grads_func`` set.
+            ``calculate_per_token_loss=True`` and ``finalize_model_grads_func`` set. With
+            interleaved pipeline stages, the list of this stage's model chunks (each wrapped;
+            :mod:`.pipeline_interleaved`).
         optimizer: a Megatron optimizer (``get_megatron_optimizer``).
         manager: the HDP group manager the core attention reads.
         forward_step_func: Megatron-style ``(data_iterator, model) -> (output, loss_func)``
@@ -200,7 +202,8 @@ def run_hdp_step(
     """
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(model)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = get_model_config(chunks[0])
     check_model_config(config, manager)
     if counters is None:
         from megatron_bytescale.runtime import CommCounters
@@ -210,7 +213,8 @@ def run_hdp_step(
     if offloader is None:
         _warn_about_offload(step)
     started_at = time.time()
-    model.zero_grad_buffer()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     records, local_tokens, forward_data_store = run_micro_batches(
         step, model=model, config=config, manager=manager,
@@ -223,7 +227,7 @@ def run_hdp_step(
 
     total_tokens = local_tokens
     reduce0 = time.perf_counter()
-    config.finalize_model_grads_func([model], total_tokens)
+    config.finalize_model_grads_func(chunks, total_tokens)
     reduce_wall_s = time.perf_counter() - reduce0  # on CUDA: until the reduction is queued
     reduced_at = time.time()
 
@@ -298,6 +302,10 @@ def run_micro_batches(
     Returns one :class:`MicroBatchRecord` per micro-batch, this rank's loss-token count, and
     Megatron's ``forward_data_store`` (the loss reports; with PP, on the last stage only).
     """
+    if isinstance(model, (list, tuple)):
+        return _run_interleaved(step, model=model, config=config, manager=manager,
+                                forward_step_func=forward_step_func, counters=counters,
+                                forward_only=forward_only, offloader=offloader)
     slots = check_plan_experts(step, manager)
     if not forward_only:
         install_ordered_grad_sync(model)
@@ -386,6 +394,33 @@ def _slot_micro_batches(step: "HDPStep", slots: int, manager: HDPGroupManager,
         yield None, empty_micro_batch(manager.hdp, device=_grad_device(model))
 
 
+def _run_interleaved(step: "HDPStep", *, model: Any, config: Any, manager: HDPGroupManager,
+                     forward_step_func: ForwardStepFunc, counters: Optional["CommCounters"],
+                     forward_only: bool, offloader: Optional["ActivationOffloader"]):
+    """A list of model chunks: interleaved pipeline stages (:mod:`.pipeline_interleaved`)."""
+    from .pipeline_interleaved import run_interleaved_micro_batches
+
+    if offloader is not None:
+        raise ValueError("activation offload does not run with interleaved pipeline stages "
+                         "(--virtual-pipeline-model-parallel-size); turn off --bytescale-offload or "
+                         "train without virtual stages")
+    for chunk in model:
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
+            raise ValueError("--overlap-grad-reduce does not run with interleaved pipeline stages "
+                             "(--virtual-pipeline-model-parallel-size) under HDP; drop one of them")
+    if len(model) == 1:
+        raise ValueError("a list of model chunks needs interleaved pipeline stages (at least 2 chunks "
+                         "per stage); pass the single model itself")
+    split = sorted({mb.order - mb.chunk[0] for mb in step.micro_batches if mb.chunk is not None})
+    if split:
+        raise ValueError(f"step {step.index}: the plan splits ring micro-batches (orders {split[:5]}) "
+                         "into sequence chunks, which interleaved pipeline stages do not run; plan "
+                         "without chunks or train without virtual stages")
+    return run_interleaved_micro_batches(step, model=model, config=config, manager=manager,
+                                         forward_step_func=forward_step_func, counters=counters,
+                                         forward_only=forward_only)
+
+
 @contextlib.contextmanager
 def micro_batch_scope(
     manager: HDPGroupManager,
@@ -426,8 +461,10 @@ def check_plan_pipeline(step: "HDPStep", pp_size: int) -> None:
         )
     if step.plan.virtual_pipeline_size != 1:
         raise ValueError(
-            f"step {step.index}: the plan is estimated with {step.plan.virtual_pipeline_size} virtual "
-            "pipeline stages, but HDP training runs plain 1F1B; plan with virtual_pipeline_size 1"
+            f"step {step.index}: the plan is made for {step.plan.virtual_pipeline_size} virtual "
+            "pipeline stages, but this run has one model chunk per stage; plan with "
+            "virtual_pipeline_size 1, or train with --virtual-pipeline-model-parallel-size "
+            f"{step.plan.virtual_pipeline_size} (a list of model chunks)"
         )
 
 

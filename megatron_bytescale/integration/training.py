@@ -60,9 +60,9 @@ def make_transformer_config(
 
     On a machine without CUDA the model is initialised on the CPU
     (``use_cpu_initialization=True``; megatron's GPU initialisation asserts CUDA). The TP and
-    PP sizes (and, for a MoE model, the expert-parallel size) default to those Megatron was
-    initialised with (pass ``sequence_parallel=True``
-    to split the token dimension over the TP ranks).
+    PP sizes (and virtual stages, and for a MoE model the expert-parallel size) default to those
+    Megatron was initialised with (pass ``sequence_parallel=True`` to split the token dimension
+    over the TP ranks).
     """
     from megatron.core import parallel_state
 
@@ -82,6 +82,7 @@ def make_transformer_config(
         settings.update(
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         )
         if overrides.get("num_moe_experts"):
             settings["expert_model_parallel_size"] = (
@@ -106,12 +107,15 @@ def build_gpt_model(
     max_sequence_length: int,
     use_transformer_engine: Optional[bool] = None,
     position_embedding_type: str = "rope",
+    vp_stage: Optional[int] = None,
     **model_kwargs: Any,
 ) -> ByteScaleGPTModel:
-    """A :class:`ByteScaleGPTModel` on the ByteScale layer spec: this pipeline stage's layers.
+    """A :class:`ByteScaleGPTModel` on the ByteScale layer spec: this pipeline stage's layers
+    (with interleaved stages, model chunk ``vp_stage``'s).
 
     ``pre_process`` (embedding) and ``post_process`` (output layer and loss) default to whether
-    this rank is the first / last pipeline stage (both with PP = 1).
+    this rank is the first / last pipeline stage (both with PP = 1); with virtual stages, only
+    chunk 0 of the first stage embeds and only the last chunk of the last stage computes the loss.
     """
     from megatron.core import parallel_state
 
@@ -119,8 +123,11 @@ def build_gpt_model(
                                     **moe_spec_kwargs(config))
     stages = dict(pre_process=True, post_process=True)
     if parallel_state.model_parallel_is_initialized():
-        stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
-                      post_process=parallel_state.is_pipeline_last_stage())
+        virtual = vp_stage is not None
+        stages = dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
+                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage))
+    if vp_stage is not None:
+        stages["vp_stage"] = vp_stage
     stages.update(model_kwargs)
     model = ByteScaleGPTModel(
         config=config,
@@ -136,7 +143,7 @@ def build_gpt_model(
 
 
 def wrap_for_hdp(
-    model: torch.nn.Module,
+    model: torch.nn.Module | list[torch.nn.Module],
     *,
     lr: float,
     weight_decay: float = 0.0,
@@ -149,6 +156,9 @@ def wrap_for_hdp(
 ) -> tuple[DistributedDataParallel, Any]:
     """Wrap ``model`` in Megatron DDP over the HDP group and build the optimizer.
 
+    ``model`` may be the list of this stage's model chunks (interleaved pipeline stages): each
+    chunk gets its own DDP and one optimizer holds them all; the list is returned.
+
     Args:
         distributed_optimizer: ZeRO-1 over the HDP group; default on with CUDA, and refused
             without it (see the module docstring).
@@ -160,7 +170,7 @@ def wrap_for_hdp(
         clip_grad: gradient-norm clipping; default 1.0 with CUDA, 0 (off) on CPU where
             Megatron's clipping asserts CUDA tensors.
     """
-    config = model.config
+    config = (model[0] if isinstance(model, (list, tuple)) else model).config
     on_cuda = torch.cuda.is_available()
     if distributed_optimizer is None:
         distributed_optimizer = on_cuda
@@ -189,11 +199,36 @@ def wrap_for_hdp(
     if config.fp16 or config.bf16:
         # as Megatron-LM's get_model does: half-precision weights, fp32 logits out
         model = Float16Module(config, model)
+    if isinstance(model, (list, tuple)):  # interleaved stages: one DDP per model chunk
+        chunks = [Float16Module(config, m) if config.fp16 or config.bf16 else m for m in model]
+        # as Megatron-LM's get_model: only the first chunk's buckets are split
+        ddp_models = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                              disable_bucketing=k > 0) for k, m in enumerate(chunks)]
+        config.no_sync_func = [m.no_sync for m in ddp_models]
+        config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(_optimizer_config(config, lr, weight_decay, adam_beta2, clip_grad,
+                                                             distributed_optimizer), ddp_models)
+        config.grad_scale_func = optimizer.scale_loss
+        return ddp_models, optimizer
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     install_ordered_grad_sync(ddp_model)
     config.no_sync_func = ddp_model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer_config = OptimizerConfig(
+    optimizer_config = _optimizer_config(config, lr, weight_decay, adam_beta2, clip_grad, distributed_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    # as Megatron-LM's training loop does: backward_step scales the loss by the optimizer's loss
+    # scale, which the fp16 optimizer divides out of the gradients again
+    config.grad_scale_func = optimizer.scale_loss
+    logger.info(
+        "HDP training: DDP over the HDP group, %s optimizer",
+        "distributed (ZeRO-1)" if distributed_optimizer else "replicated",
+    )
+    return ddp_model, optimizer
+
+
+def _optimizer_config(config: TransformerConfig, lr: float, weight_decay: float, adam_beta2: float,
+                      clip_grad: float, distributed_optimizer: bool) -> OptimizerConfig:
+    return OptimizerConfig(
         optimizer="adam",
         lr=lr,
         weight_decay=weight_decay,
@@ -204,12 +239,3 @@ def wrap_for_hdp(
         fp16=config.fp16,
         params_dtype=config.params_dtype,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
-    # as Megatron-LM's training loop does: backward_step scales the loss by the optimizer's loss
-    # scale, which the fp16 optimizer divides out of the gradients again
-    config.grad_scale_func = optimizer.scale_loss
-    logger.info(
-        "HDP training: DDP over the HDP group, %s optimizer",
-        "distributed (ZeRO-1)" if distributed_optimizer else "replicated",
-    )
-    return ddp_model, optimizer

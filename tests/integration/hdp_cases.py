@@ -143,7 +143,7 @@ def _entry_point_refusals() -> dict[str, str]:
     for name, kwargs in {
         "cp": dict(context_parallel_size=2),
         "hybrid": dict(hybrid_context_parallel=True),
-        "vpp": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        "vpp": dict(virtual_pipeline_model_parallel_size=2),  # needs PP > 1
     }.items():
         try:
             initialize_hdp_model_parallel(**kwargs)

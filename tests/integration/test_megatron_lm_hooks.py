@@ -115,8 +115,15 @@ def test_validate_sets_what_hdp_needs():
     "argv, overrides, flag",
     [
         ((), dict(context_parallel_size=2), "--context-parallel-size 2"),
-        ((), dict(pipeline_model_parallel_size=2, num_layers=4,
-                  num_layers_per_virtual_pipeline_stage=1), "interleaved pipeline stages"),
+        ((), dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1,
+                  overlap_p2p_comm=False), "--no-overlap-p2p-communication cannot be combined"),
+        ((), dict(num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+         "with --pipeline-model-parallel-size 1"),
+        ((), dict(pipeline_model_parallel_size=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
+                  overlap_grad_reduce=True), "--overlap-grad-reduce cannot be combined with interleaved"),
+        (("--bytescale-offload",), dict(pipeline_model_parallel_size=4, num_layers=8,
+                                        num_layers_per_virtual_pipeline_stage=1),
+         "--bytescale-offload cannot be combined with interleaved"),
         ((), dict(tensor_model_parallel_size=4), "--num-query-groups 2 is not divisible by "
          "--tensor-model-parallel-size 4"),
         ((), dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
@@ -165,6 +172,15 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
 
 
+@pytest.mark.parametrize("layout", [
+    dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+    dict(pipeline_model_parallel_size=4, num_layers=8, virtual_pipeline_model_parallel_size=2),
+])
+def test_interleaved_stages_pass_with_pipeline_parallelism(layout):
+    args = megatron_namespace("--bytescale-hdp", mock_data=True, **{**tiny_model_args(), **layout})
+    assert megatron_lm.hdp_refusals(args) == []
+
+
 @pytest.mark.parametrize("dispatcher, layout", [
     ("alltoall", {}), ("allgather", {}),
     ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -186,7 +202,8 @@ def test_moe_flags_pass_with_expert_parallelism_1(dispatcher, layout):
 def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):
     values = tiny_model_args(mock_data=False, context_parallel_size=2, attention_dropout=0.1,
                              ddp_average_in_collective=True, pipeline_model_parallel_size=2,
-                             num_layers=4, num_layers_per_virtual_pipeline_stage=1)
+                             num_layers=4, num_layers_per_virtual_pipeline_stage=1,
+                             overlap_p2p_comm=False)
     argv = ("--bytescale-hdp", "--bytescale-context-length", "512")
     reasons = megatron_lm.hdp_refusals(megatron_namespace(*argv, **values))
     flags = ["--context-parallel-size 2", "interleaved pipeline stages",

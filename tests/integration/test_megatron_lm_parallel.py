@@ -147,6 +147,9 @@ def parallel_runs(patched_megatron_lm, tmp_path_factory):
         "tp2 pp2 sp": (4, ["--load", str(ckpt), "--finetune", "--tensor-model-parallel-size",
                            "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                            "--bytescale-capacity", "512"]),
+        # interleaved stages: 2 chunks of 1 layer per stage, HDP 2
+        "pp2 vpp2": (4, ["--load", str(ckpt), "--finetune", "--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"]),
     }
     runs = {}
     for name, (ranks, layout) in layouts.items():
@@ -158,7 +161,8 @@ def parallel_runs(patched_megatron_lm, tmp_path_factory):
 
 
 def test_patched_pretrain_gpt_trains_with_tp_and_pp(parallel_runs):
-    """TP 2 x PP 2 (+ SP) through Megatron's own loop gives the losses of TP 1 / PP 1."""
+    """TP 2 x PP 2 (+ SP), and PP 2 x 2 virtual stages, through Megatron's own loop give the
+    losses of TP 1 / PP 1."""
     base, run = _losses(parallel_runs["hdp2"]), _losses(parallel_runs["tp2 pp2 sp"])
     assert len(base) == 3 and len(run) == 3
     for a, b in zip(base, run):
@@ -170,6 +174,11 @@ def test_patched_pretrain_gpt_trains_with_tp_and_pp(parallel_runs):
         # --finetune: the weights of iteration 1, the iteration counter back at 0
         assert re.search(r"successfully loaded checkpoint from .*\[ " + layout +
                          r" \] at iteration 0", parallel_runs[name]), name
+    # PP 2 x VPP 2 x HDP 2: the interleaved driver under Megatron-LM's own loop, same losses
+    vpp = _losses(parallel_runs["pp2 vpp2"])
+    assert len(vpp) == 3
+    for a, b in zip(base, vpp):
+        assert abs(a - b) / abs(a) <= TOLERANCE, (base, vpp)
     checks = re.findall(r"HDPCHECK rank (\d) micro_batches (\d+)", parallel_runs["tp2 pp2 sp"])
     assert {int(r) for r, _ in checks} == {0, 1, 2, 3}, "every rank ran HDP steps"
     # every TP rank and stage of the one replica ran the same planned micro-batches

@@ -66,7 +66,7 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
         [*hdp, "--bytescale-capacity", "128"],
         [*hdp, "--context-parallel-size", "2"],
         [*hdp, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-         "--num-layers-per-virtual-pipeline-stage", "1"],
+         "--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"],
         TINY_GPT,
         [*TINY_GPT, "--bytescale-capacity", "128"],  # forgot --bytescale-hdp
         [*TINY_GPT, "--bytescale-scheduler", "balance"],  # its default, given
@@ -85,7 +85,7 @@ def test_patched_megatron_parses_and_validates_bytescale_flags(patched_megatron_
     # refusals: one report from rank 0 and exit status 2, no traceback
     assert (cp.error, cp.message) == ("SystemExit", "2") and "--context-parallel-size 2" in cp.stderr
     assert (pp.error, pp.message) == ("SystemExit", "2")
-    assert "interleaved pipeline stages" in pp.stderr
+    assert "--no-overlap-p2p-communication cannot be combined with interleaved pipeline stages" in pp.stderr
     # flag off: Megatron's own behaviour
     assert plain.values["calculate_per_token_loss"] is False
     assert plain.values["dataloader_type"] == "single"

@@ -37,7 +37,7 @@ def test_layout_refuses_unsupported_parallelism(kwargs, message):
 def test_layout_reports_every_refusal_at_once():
     with pytest.raises(ValueError) as info:
         HDPParallelLayout(world_size=8, context_parallel_size=2, expert_model_parallel_size=2,
-                          pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+                          virtual_pipeline_model_parallel_size=2)  # virtual stages need PP > 1
     assert len(info.value.reasons) == 3
     assert "cannot run with these 3 arguments" in str(info.value)
 
@@ -54,6 +54,8 @@ def test_layout_serves_tensor_and_pipeline_parallelism():
     assert layout.hdp_size == 4
     assert HDPParallelLayout(world_size=8, tensor_model_parallel_size=2,
                              pipeline_model_parallel_size=2).hdp_size == 2
+    assert HDPParallelLayout(world_size=8, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=2).hdp_size == 4
 
 
 def test_layout_from_megatron_args():
