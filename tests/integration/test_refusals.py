@@ -36,8 +36,9 @@ def test_layout_refuses_unsupported_parallelism(kwargs, message):
 
 def test_layout_reports_every_refusal_at_once():
     with pytest.raises(ValueError) as info:
-        HDPParallelLayout(world_size=8, context_parallel_size=2, expert_model_parallel_size=2,
-                          virtual_pipeline_model_parallel_size=2)  # virtual stages need PP > 1
+        # CP is refused, EP 3 does not divide the 8 HDP ranks, virtual stages need PP > 1
+        HDPParallelLayout(world_size=8, context_parallel_size=2, expert_model_parallel_size=3,
+                          virtual_pipeline_model_parallel_size=2)
     assert len(info.value.reasons) == 3
     assert "cannot run with these 3 arguments" in str(info.value)
 
