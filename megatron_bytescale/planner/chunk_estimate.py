@@ -81,14 +81,17 @@ def simulate_chunked(plan: StepPlan, costs: "MicroBatchCosts", forward_fraction:
 
 
 def split_where_faster(plan: StepPlan, cost_model: CostModel, *, candidates: int = 4,
-                       options: Sequence[int] = CHUNK_OPTIONS, topology: "Topology | None" = None) -> StepPlan:
+                       options: Sequence[int] = CHUNK_OPTIONS, topology: "Topology | None" = None,
+                       fit_memory: bool = True) -> StepPlan:
     """``plan`` with its ``candidates`` longest ring micro-batches (of 2+ members) split into the
     number of chunks in ``options`` that shortens the estimated step most, each only if it does
     and only where the split's kept prefix fits the capacity (:func:`.chunk_memory.split_fits`).
 
     Never slower than ``plan`` in the estimate (a split is kept only when the step shrinks).
     Plans without PP, with virtual stages or already split come back unchanged. ``topology``
-    is passed to the estimate (the plan's own nodes; None: the cost model's).
+    is passed to the estimate (the plan's own nodes; None: the cost model's). ``fit_memory``
+    False skips the memory rule: what the split would gain if memory were free, for reports
+    only (such a plan may not fit the devices it is meant for).
     """
     from .chunk_memory import split_fits
     from .chunk_split import split_micro_batch
@@ -105,7 +108,7 @@ def split_where_faster(plan: StepPlan, cost_model: CostModel, *, candidates: int
         target = order + _shift(best, order)
         trial_best = None
         for k in options:
-            if not split_fits(best, target, k, cost_model):
+            if fit_memory and not split_fits(best, target, k, cost_model):
                 continue
             try:
                 trial = split_micro_batch(best, target, k)
