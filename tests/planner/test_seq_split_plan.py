@@ -104,6 +104,7 @@ def test_a_split_that_would_pay_is_refused_when_its_prefix_does_not_fit():
     assert not split_fits(plans[2000], 0, 8, fat)
     assert not any(split_fits(plans[2000], 0, k, fat) for k in (2, 4, 8))  # 2 chunks: 1000 + 3 x 2000
     assert split_where_faster(plans[2000], fat) is plans[2000]
+    assert _groups(split_where_faster(plans[2000], fat, fit_memory=False))  # it would pay if memory were free
     assert _groups(split_where_faster(plans[8192], fat))  # 2 chunks keep 7000 <= 8192: still split
     with pytest.raises(ValueError, match="over capacity 2000"):
         check_split_memory(roomy.__class__(**{**{f: getattr(roomy, f) for f in roomy.__dataclass_fields__},
