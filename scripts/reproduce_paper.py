@@ -22,7 +22,10 @@ Raw results go to ``out/reproduce/results.json``.
 Usage: ``.venv/bin/python scripts/reproduce_paper.py [--only case_study,ablation,...] [--no-write]
 [--models mistral-8x7b,mistral-8x22b]`` (``--models``: Fig. 17 and the doubling table for those
 models only; printed, never written over the full sections, raw results to
-``out/reproduce/results-subset.json``).
+``out/reproduce/results-subset.json``). With ``--models``, ``--datasets github`` and
+``--contexts 1M,2M`` narrow the sweep to those cells, and ``--seq-split`` plans the balance
+variant with ``make_plan(seq_split=True)`` (its longest rings split along the pipeline where the
+estimate says it pays and the kept prefix fits).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from megatron_bytescale.sim import (  # noqa: E402
     ABLATION,
     drop_per_doubling,
     format_tokens,
+    parse_tokens,
     parse_variants,
     run_sweep,
     simulate_variants,
@@ -261,18 +265,24 @@ def _sums(cm, length: int, d: int) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------- Fig. 17
 def fig17_summaries(models: list[str] | None = None, variants: tuple[str, ...] = FIG17_VARIANTS,
-                    **setup_changes: Any) -> dict[tuple[str, str], list]:
-    """Fig. 17's sweeps: every model (or ``models``), both datasets; ``setup_changes`` go to
-    :func:`megatron_bytescale.sim.paper.paper_setup` (e.g. ``expert_parallel_size``)."""
+                    *, datasets: tuple[str, ...] = ("github", "byted"), contexts: list[int] | None = None,
+                    seq_split: bool = False, **setup_changes: Any) -> dict[tuple[str, str], list]:
+    """Fig. 17's sweeps: every model (or ``models``), both datasets (or ``datasets``), every
+    context (or those of ``contexts``); ``setup_changes`` go to
+    :func:`megatron_bytescale.sim.paper.paper_setup` (e.g. ``expert_parallel_size``);
+    ``seq_split`` plans balance with the sequence split (``ClusterSetup.seq_split``)."""
     out = {}
     for model in models or list(paper.FIG17_GPUS):
         setup = paper.paper_setup(model, **setup_changes)  # no planning time: the paper does not give its planner's
-        contexts = [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]
-        for dataset in ("github", "byted"):
+        if seq_split:
+            setup = dataclasses.replace(setup, seq_split=True)
+        cells = [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]
+        cells = [c for c in cells if contexts is None or c in contexts]
+        for dataset in datasets:
             progress(f"Fig. 17: {model} on {setup.num_gpus:,} GPUs, {dataset}")
             points = run_sweep(
                 lambda ctx, step, ds=dataset: synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=step, max_length=ctx),
-                contexts=contexts, steps=1, variants=parse_variants(",".join(variants)), setup=setup,
+                contexts=cells, steps=1, variants=parse_variants(",".join(variants)), setup=setup,
             )
             out[(model, dataset)] = summarize(points)
     return out
@@ -430,6 +440,10 @@ def main() -> int:
     ap.add_argument("--models", default=None,
                     help="Fig. 17 / doubling for these comma-separated models only (e.g. mistral-8x7b,"
                          "mistral-8x22b); printed instead of written, since the sections cover all six")
+    ap.add_argument("--datasets", default="github,byted", help="with --models: Fig. 17's datasets to run")
+    ap.add_argument("--contexts", default=None, help="with --models: Fig. 17's contexts to run (e.g. 1M,2M)")
+    ap.add_argument("--seq-split", action="store_true",
+                    help="with --models: plan balance with the sequence split along the pipeline")
     args = ap.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -444,6 +458,13 @@ def main() -> int:
         if set(only) - {"fig17", "doubling"}:
             ap.error("--models selects Fig. 17's models; use it with --only fig17 (or fig17,doubling)")
         args.no_write = True
+    datasets = tuple(d.strip() for d in args.datasets.split(",") if d.strip())
+    contexts = None if args.contexts is None else [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
+    narrowed = args.seq_split or contexts is not None or set(datasets) != {"github", "byted"}
+    if narrowed and models is None:
+        ap.error("--datasets, --contexts and --seq-split narrow or change Fig. 17: use them with --models")
+    if not datasets or set(datasets) - {"github", "byted"}:
+        ap.error(f"--datasets {args.datasets!r}: choose from github, byted")
     start = time.perf_counter()
     sections: dict[str, str] = {}
     raw: dict[str, Any] = {}
@@ -463,7 +484,7 @@ def main() -> int:
         progress("offload sweep ...")
         sections["offload"] = offload_section()
     if {"fig17", "doubling"} & set(only):
-        data = fig17_summaries(models)
+        data = fig17_summaries(models, datasets=datasets, contexts=contexts, seq_split=args.seq_split)
         raw["fig17"] = {f"{m}/{d}": [s.to_dict() for s in ss] for (m, d), ss in data.items()}
         if "fig17" in only:
             sections["fig17"] = fig17_section(data, plot=models is None)

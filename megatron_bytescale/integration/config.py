@@ -134,6 +134,13 @@ class ByteScaleConfig:
     sizes long rings in whole nodes and keeps the flat plan when it is faster. Needs the
     key/value heads per tensor-parallel rank divisible by the HDP ranks per node."""
 
+    seq_split: bool = False
+    """Split the longest rings of PP-Balance's plan into 2, 4 or 8 causal chunks that follow
+    each other through the pipeline (Seq1F1B-style), each only where the planner's estimate says
+    the step gets shorter and the chunks' kept K/V fits the capacity. Needs
+    --bytescale-scheduler balance, --pipeline-model-parallel-size > 1, no virtual stages, no
+    expert parallelism, no --bytescale-offload, and no activation recomputation of the attention."""
+
     check_plan_hash: bool = True
     """All-gather the plan's content hash every step and stop with an error naming the ranks if
     they disagree (costs one tiny collective per step)."""

@@ -41,6 +41,7 @@ from .compat import megatron_lm_flag_refusals
 from .config import ByteScaleConfig, RefusedArguments, add_bytescale_args, flag_name, given_flags
 from .groups import HDPParallelLayout
 from .moe import moe_refusals
+from .planning import seq_split_refusals
 from .megatron_lm_data import blend_weights, build_hdp_data_iterators
 from .megatron_lm_step import forward_step, hdp_forward_backward, hdp_manager, megatron_args
 
@@ -214,7 +215,7 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
     reasons += moe_refusals(args)
-    reasons += _virtual_stage_refusals(args)
+    reasons += _virtual_stage_refusals(args) + seq_split_refusals(args)
     reasons += _data_flag_refusals(args)
     reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
     if reasons or layout is None:

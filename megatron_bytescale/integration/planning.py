@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_bytescale.env import MAX_PROCESSES, env_int
 from megatron_bytescale.planner.cost_model import CostModel
@@ -64,6 +64,8 @@ def make_step_planner(
     if config.host_memory_gb is not None:
         cost_model = cost_model.with_(host_memory_bytes=config.host_memory_gb * 1e9)
 
+    if config.seq_split:
+        check_seq_split_flags(config, scheduler=chosen, pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size)
     if vpp_size != 1:
         from megatron_bytescale.planner.plan import check_virtual_pipeline
 
@@ -83,6 +85,7 @@ def make_step_planner(
             align=config.align,
             context_length=config.context_length,
             topology=topology,
+            seq_split=config.seq_split,
         )
         if vpp_size == 1:
             return made
@@ -91,6 +94,50 @@ def make_step_planner(
         return with_virtual_pipeline(made, vpp_size, cost_model, topology)
 
     return plan
+
+
+def check_seq_split_flags(config: ByteScaleConfig, *, scheduler: str, pp_size: int, ep_size: int,
+                          vpp_size: int) -> None:
+    """Raise ValueError in one line, naming the flags, unless ``--bytescale-seq-split`` can run:
+    split chunks run in the plain 1F1B driver only, never offload, and expert groups need
+    every ring at one slot (which a split's shifted orders do not keep)."""
+    why = []
+    if scheduler != "balance":
+        why.append(f"--bytescale-scheduler {scheduler} (use balance)")
+    if pp_size < 2:
+        why.append(f"--pipeline-model-parallel-size {pp_size} (needs >= 2)")
+    if vpp_size != 1:
+        why.append(f"--virtual-pipeline-model-parallel-size {vpp_size} (drop it)")
+    if ep_size != 1:
+        why.append(f"--expert-model-parallel-size {ep_size} (needs 1)")
+    if config.offload:
+        why.append("--bytescale-offload (use --no-bytescale-offload)")
+    if why:
+        raise ValueError("--bytescale-seq-split does not run with " + ", ".join(why))
+
+
+def seq_split_refusals(args: Any) -> list[str]:
+    """What ``--bytescale-seq-split`` does not run with, from Megatron's ``args`` (one line each):
+    :func:`check_seq_split_flags`'s rules, plus activation recomputation (a recomputed forward
+    is a second forward of a chunk, which its kept prefix refuses)."""
+    if not getattr(args, "bytescale_seq_split", False):
+        return []
+    config = ByteScaleConfig(offload=bool(getattr(args, "bytescale_offload", False)))
+    try:
+        check_seq_split_flags(
+            config, scheduler=str(getattr(args, "bytescale_scheduler", "balance")),
+            pp_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+            ep_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            vpp_size=int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
+        )
+        reasons = []
+    except ValueError as exc:
+        reasons = [str(exc)]
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity:
+        reasons.append(f"--bytescale-seq-split does not run with --recompute-granularity {granularity} "
+                       "(a recomputed forward repeats a chunk its kept K/V has seen); drop that flag")
+    return reasons
 
 
 def hdp_topology(

@@ -11,8 +11,9 @@ chunk's tokens differ by at most one per document.
 
 :func:`split_where_faster` is the decision: it splits the longest ring micro-batches one by one
 into 2, 4 or 8 chunks and keeps a split only where the estimated step gets shorter, so the
-result is never slower than the plan it was given, in the estimate. The memory of the kept
-prefix is not in Eq. 3's budget yet (docs/pipeline.md).
+result is never slower than the plan it was given, in the estimate. A split is tried only
+where the kept prefix fits the plan's capacity (:mod:`.chunk_memory`), so it never claims memory
+the unsplit plan did not have.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .plan import PlanError, StepPlan
 
 if TYPE_CHECKING:
     from .estimate import MicroBatchCosts
+    from .topology import Topology
 
 CHUNK_OPTIONS = (2, 4, 8)
 
@@ -79,37 +81,45 @@ def simulate_chunked(plan: StepPlan, costs: "MicroBatchCosts", forward_fraction:
 
 
 def split_where_faster(plan: StepPlan, cost_model: CostModel, *, candidates: int = 4,
-                       options: Sequence[int] = CHUNK_OPTIONS) -> StepPlan:
+                       options: Sequence[int] = CHUNK_OPTIONS, topology: "Topology | None" = None,
+                       fit_memory: bool = True) -> StepPlan:
     """``plan`` with its ``candidates`` longest ring micro-batches (of 2+ members) split into the
-    number of chunks in ``options`` that shortens the estimated step most, each only if it does.
+    number of chunks in ``options`` that shortens the estimated step most, each only if it does
+    and only where the split's kept prefix fits the capacity (:func:`.chunk_memory.split_fits`).
 
     Never slower than ``plan`` in the estimate (a split is kept only when the step shrinks).
-    Plans without PP, with virtual stages or already split come back unchanged.
+    Plans without PP, with virtual stages or already split come back unchanged. ``topology``
+    is passed to the estimate (the plan's own nodes; None: the cost model's). ``fit_memory``
+    False skips the memory rule: what the split would gain if memory were free, for reports
+    only (such a plan may not fit the devices it is meant for).
     """
+    from .chunk_memory import split_fits
     from .chunk_split import split_micro_batch
     from .estimate import estimate_plan, micro_batch_costs
 
     if plan.pp_size < 2 or plan.virtual_pipeline_size > 1 or has_chunks(plan):
         return plan
     best = plan
-    best_s = estimate_plan(plan, cost_model).step_time_s
-    costs = micro_batch_costs(plan, cost_model)
+    best_s = estimate_plan(plan, cost_model, topology).step_time_s
+    costs = micro_batch_costs(plan, cost_model, topology)
     rings = [(float(costs.seconds[k]), int(o)) for k, o in enumerate(costs.orders.tolist())
              if costs.ring_sizes[k] > 1 and costs.offload[k] == 0]
     for _, order in sorted(rings, reverse=True)[:candidates]:
         target = order + _shift(best, order)
         trial_best = None
         for k in options:
+            if fit_memory and not split_fits(best, target, k, cost_model):
+                continue
             try:
                 trial = split_micro_batch(best, target, k)
             except ValueError:
                 continue
-            seconds = estimate_plan(trial, cost_model).step_time_s
+            seconds = estimate_plan(trial, cost_model, topology).step_time_s
             if seconds < best_s and (trial_best is None or seconds < trial_best[0]):
                 trial_best = (seconds, trial)
         if trial_best is not None:
             best_s, best = trial_best
-    return dataclasses.replace(best, estimate=estimate_plan(best, cost_model)) if best is not plan else plan
+    return dataclasses.replace(best, estimate=estimate_plan(best, cost_model, topology)) if best is not plan else plan
 
 
 def _shift(now: StepPlan, order: int) -> int:

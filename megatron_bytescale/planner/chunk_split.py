@@ -5,8 +5,8 @@ of ``order`` becomes ``k`` micro-batches, chunks ``0 .. k-1`` of the same ring a
 ``order .. order + k - 1`` (every later order moves up by ``k - 1``), each chunk zigzagged over
 the ring with the planner's split. Every member holds the chunks where it held the micro-batch,
 so rings stay at one local index on all their members. This is the step a scheduler takes when
-its estimate says a split pays. PP-Balance does not take it yet, and this module does not decide
-when to split.
+its estimate says a split pays: :func:`.chunk_estimate.split_where_faster` decides (called by
+``make_plan(seq_split=True)`` after PP-Balance); this module does not.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..planner.cost_model import CostModel
 from ..planner.plan import check_virtual_pipeline
-from ..planner.schedulers import make_plan
+from ..planner.schedulers import check_seq_split, make_plan
 from ..planner.topology import Topology
 from .overheads import StepOverheads
 from .step import StepResult, simulate_step
@@ -101,11 +101,17 @@ class ClusterSetup:
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline stage: interleaved 1F1B when above 1 (every variant's plan is
     timed with it; the rings are the scheduler's)."""
+    seq_split: bool = False
+    """Balance variants split their longest rings along the pipeline where it pays and fits
+    (``make_plan(seq_split=True)``); PP > 1 and plain 1F1B only."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size!r}) must be an integer >= 1")
+        if self.seq_split:
+            check_seq_split(scheduler="balance", pp_size=self.pp_size,
+                            virtual_pipeline_size=self.virtual_pipeline_size, flag="--seq-split")
 
     @property
     def num_gpus(self) -> int:
@@ -130,7 +136,7 @@ def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_len
         cost_model=setup.cost_model, pp_size=setup.pp_size, offload=variant.offload,
         overlong=setup.overlong, align=setup.align, context_length=context_length,
         delta=setup.delta, num_buckets=setup.num_buckets, estimate=False, pieces=False,
-        topology=setup.topology,
+        topology=setup.topology, seq_split=setup.seq_split and variant.scheduler == "balance",
     )
     if setup.virtual_pipeline_size != 1:
         check_virtual_pipeline(setup.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)

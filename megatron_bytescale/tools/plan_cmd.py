@@ -190,12 +190,15 @@ def _megatron_hybrid_cp_row(args: argparse.Namespace, lengths: Any, cost_model: 
 def run(args: argparse.Namespace) -> int:
     from ..planner.estimate import with_virtual_pipeline
     from ..planner.plan import check_virtual_pipeline
-    from ..planner.schedulers import make_plan
+    from ..planner.schedulers import check_seq_split, make_plan
 
     lengths, source = load_lengths(args)
     cost_model, pp_size = load_cost_model(args)
     if args.vpp_size != 1:
         check_virtual_pipeline(args.vpp_size, pp_size, max(1, cost_model.num_layers // pp_size))
+    if args.seq_split:
+        check_seq_split(scheduler=args.scheduler, pp_size=pp_size, virtual_pipeline_size=args.vpp_size,
+                        flag="--seq-split")
     topology = load_topology(args, cost_model)
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                 lengths, scheduler=name, hdp_size=args.hdp_size, capacity=args.capacity,
                 cost_model=cost_model, pp_size=pp_size, offload=args.offload, overlong=args.overlong,
                 align=args.align, context_length=context, delta=args.delta, num_buckets=args.num_buckets,
-                topology=topology,
+                topology=topology, seq_split=args.seq_split and name == "balance",
             )
             if args.vpp_size != 1:
                 plan = with_virtual_pipeline(plan, args.vpp_size, cost_model, topology)
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
           f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
-          f"{', two-level rings' if args.two_level_ring else ''}")
+          f"{', two-level rings' if args.two_level_ring else ''}{', sequence split (balance)' if args.seq_split else ''}")
     _print_table(rows, failed)
     note = moe_note(args)
     if note:

@@ -114,6 +114,10 @@ def add_scheduling_arguments(group: Any) -> None:
     group.add_argument("--align", type=positive_int, default=1, help="zigzag padding alignment per part (default 1)")
     group.add_argument("--delta", type=float, default=0.05, help="Alg. 2 threshold, fraction of max time (default 0.05)")
     group.add_argument("--num-buckets", type=positive_int, default=4, help="Alg. 2 equal-work buckets (default 4)")
+    group.add_argument("--seq-split", action="store_true",
+                       help="balance with PP > 1: split the longest rings into 2/4/8 causal chunks along the "
+                            "pipeline where the estimate says it pays and their kept K/V fits the capacity "
+                            "(plain 1F1B, no expert parallelism)")
 
 
 def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:

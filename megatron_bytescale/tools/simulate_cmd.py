@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         hdp_size=args.hdp_size, capacity=args.capacity, cost_model=cost_model, pp_size=pp,
         tensor_parallel_size=tp, align=args.align, overlong=args.overlong, delta=args.delta,
         num_buckets=args.num_buckets, overheads=overheads, topology=topology,
-        virtual_pipeline_size=args.vpp_size,
+        virtual_pipeline_size=args.vpp_size, seq_split=args.seq_split,
     )  # fmt: skip
     if args.lengths is not None:
         if args.steps > 1:
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = summarize(points)
     if not any(s.ok for s in summaries):
         raise ValueError(f"no variant could plan the batch: {summaries[0].error}")
-    vpp = f" x VPP {args.vpp_size}" if args.vpp_size != 1 else ""
+    vpp = (f" x VPP {args.vpp_size}" if args.vpp_size != 1 else "") + (", sequence split (balance)" if args.seq_split else "")
     print(f"bytescale simulate: {source}; {setup.num_gpus:,} GPUs = {args.hdp_size:,} HDP ranks x TP {tp} "
           f"x PP {pp}{vpp}, capacity {args.capacity:,}, {topology.ranks_per_node} HDP ranks per node, "
           f"cost model {cost_model.name}{', two-level rings' if cost_model.two_level_ring else ''}; {overhead_line}")

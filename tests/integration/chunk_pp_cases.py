@@ -45,6 +45,24 @@ RUNS = {
 }
 
 
+# planned by make_step_planner with --bytescale-seq-split (balance, PP 2, HDP 2, capacity 80):
+# the 149-token document's ring of 2 is split into 2 chunks (it pays and its kept prefix fits)
+PLANNED_RUNS = {"planner seq split": [4, 12, 149]}
+
+
+def seq_split_plan(lengths: list[int]):
+    """The plan ``--bytescale-seq-split`` makes for ``lengths`` on this layout."""
+    from megatron_bytescale.integration.config import ByteScaleConfig
+    from megatron_bytescale.integration.planning import make_step_planner
+    from megatron_bytescale.planner.cost_model import CostModel
+
+    cm = CostModel(name="toy", num_layers=2, alpha1=1e-9, beta1=1e-6, gamma=1e-5, alpha2=1000.0,
+                   d2h_bandwidth=1e8, h2d_bandwidth=1e8, kv_bytes_per_token=64.0, dkv_bytes_per_token=128.0,
+                   p2p_bandwidth_intra=1e9, p2p_bandwidth_inter=1e8, p2p_latency_s=1e-6, ranks_per_node=4)
+    config = ByteScaleConfig(hdp=True, capacity=CAPACITY, seq_split=True)
+    return make_step_planner(config, hdp_size=2, cost_model=cm, pp_size=2)(lengths).validate()
+
+
 def random_chunk_plan(rng: np.random.Generator):
     """Random pipelines (zero micro-batches included), rings only where both lists are equally
     long (the same local index), any micro-batch split into 1-3 chunks."""
@@ -77,6 +95,8 @@ def chunk_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         lengths, adds = RUNS[name]
         batches[name] = ([rng.integers(0, VOCAB, n).tolist() for n in lengths],
                          chunk_plan(lengths, adds))
+    for name, lengths in PLANNED_RUNS.items():
+        batches[name] = ([rng.integers(0, VOCAB, n).tolist() for n in lengths], seq_split_plan(lengths))
     references = reference_phase(*(b[0] for b in batches.values()), share_embeddings=True)
     manager = switch_layout(pipeline_model_parallel_size=2)
     rank_map = manager.rank_map

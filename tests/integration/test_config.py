@@ -33,6 +33,8 @@ EXPECTED_FLAGS = {
     "--bytescale-ranks-per-node",
     "--bytescale-two-level-ring",
     "--no-bytescale-two-level-ring",
+    "--bytescale-seq-split",
+    "--no-bytescale-seq-split",
     "--bytescale-check-plan-hash",
     "--no-bytescale-check-plan-hash",
     "--bytescale-dataloader",

@@ -156,6 +156,10 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(mock_data=False, data_path=["0", "/d/a", "0", "/d/b"]), "all 0"),
         (("--bytescale-capacity", "32"), {}, "--bytescale-capacity 32"),
         (("--bytescale-context-length", "512"), {}, "--max-position-embeddings"),
+        (("--bytescale-seq-split",), {}, "--bytescale-seq-split does not run with "
+                                         "--pipeline-model-parallel-size 1"),
+        (("--bytescale-seq-split",), dict(pipeline_model_parallel_size=2, num_layers=4,
+                                          recompute_granularity="full"), "--recompute-granularity full"),
     ],
 )
 def test_refusals_name_the_flag(argv, overrides, flag, capsys):

@@ -17,11 +17,12 @@ import logging
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
+from ..chunk_estimate import split_where_faster
 from ..cost_model import CostModel
 from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..topology import Topology
-from ._common import OVERLONG_MODES, PlanRequest, build_request
+from ._common import OVERLONG_MODES, PlanRequest, build_request, check_seq_split
 from .balance import plan_balance
 from .naive import plan_naive
 from .pow2 import plan_pow2
@@ -58,6 +59,7 @@ def make_plan(
     topology: Topology | None = None,
     pieces: bool = True,
     ep_size: int = 1,
+    seq_split: bool = False,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -88,6 +90,11 @@ def make_plan(
         ep_size: expert-parallel size (must divide ``hdp_size``): every ring micro-batch then
             sits at the same local index on all its members (``StepPlan.ep_size``); ``balance``
             plans it with PP-Balance's count groups, the other schedulers are checked.
+        seq_split: after ``balance`` has chosen its PP plan, split its longest rings into 2, 4
+            or 8 causal chunks that follow each other through the pipeline (Seq1F1B-style), each
+            only where the estimated step shrinks and the chunks' kept prefix K/V fits the
+            capacity (:func:`..chunk_estimate.split_where_faster`). ``balance`` with PP > 1 and
+            ep_size 1 only; the plan must then run plain 1F1B (no virtual stages).
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -102,6 +109,7 @@ def make_plan(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
         delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
+        seq_split=seq_split, scheduler=scheduler,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
@@ -109,6 +117,9 @@ def make_plan(
     gc.disable()
     try:
         plan = SCHEDULERS[scheduler](request)
+        if request.seq_split:
+            plan = split_where_faster(plan, request.cost_model, topology=request.topology)
+            plan = replace(plan, meta={**plan.meta, "seq_split": True})
         if estimate and plan.estimate is None:
             plan = replace(plan, estimate=estimate_plan(plan, request.cost_model, request.topology))
         elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
@@ -136,4 +147,4 @@ def check_expert_slots(plan: StepPlan, scheduler: str) -> None:
                     )
 
 
-__all__ = ["SCHEDULERS", "OVERLONG_MODES", "make_plan", "static_cp_size"]
+__all__ = ["SCHEDULERS", "OVERLONG_MODES", "check_seq_split", "make_plan", "static_cp_size"]

@@ -51,6 +51,9 @@ class PlanRequest:
     """Where the HDP ranks sit (None: the cost model's ``ranks_per_node``)."""
     pieces: bool = True
     """False: a timing-only plan (no token pieces; see :func:`make_plan`)."""
+    seq_split: bool = False
+    """Split PP-Balance's longest rings along the pipeline where the estimate says it pays and
+    the kept prefix fits (:func:`..chunk_estimate.split_where_faster`)."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
@@ -129,6 +132,8 @@ def build_request(
     topology: Topology | None = None,
     pieces: bool = True,
     ep_size: int = 1,
+    seq_split: bool = False,
+    scheduler: str = "balance",
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -159,6 +164,10 @@ def build_request(
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= float(delta) < 1:
         raise ValueError(f"delta ({delta!r}) must be a fraction of the max rank time in [0, 1)")
     layers = cost_model.layers_per_stage(pp_size)
+    if not isinstance(seq_split, bool):
+        raise ValueError(f"seq_split ({seq_split!r}) must be True or False")
+    if seq_split:
+        check_seq_split(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size)
     if topology is not None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
@@ -170,8 +179,28 @@ def build_request(
         hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
-        topology=topology, pieces=bool(pieces), ep_size=ep_size,
+        topology=topology, pieces=bool(pieces), ep_size=ep_size, seq_split=seq_split,
     )
+
+
+def check_seq_split(*, scheduler: str, pp_size: int, ep_size: int = 1, virtual_pipeline_size: int = 1,
+                    offload: bool = False, flag: str = "seq_split") -> None:
+    """Raise ValueError in one line unless splitting rings along the pipeline applies: the
+    ``balance`` scheduler, PP > 1, plain 1F1B (no virtual stages), no expert parallelism and,
+    where the caller asks (training), no activation offload (split chunks do not offload)."""
+    why = []
+    if scheduler != "balance":
+        why.append(f"scheduler {scheduler!r} (use balance)")
+    if pp_size < 2:
+        why.append(f"pipeline size {pp_size} (needs >= 2: there is no fill and drain to shorten)")
+    if virtual_pipeline_size != 1:
+        why.append(f"{virtual_pipeline_size} virtual stages (split chunks run plain 1F1B; drop the VPP flags)")
+    if ep_size != 1:
+        why.append(f"expert parallel size {ep_size} (needs 1)")
+    if offload:
+        why.append("activation offload (split chunks do not offload; turn offload off)")
+    if why:
+        raise ValueError(f"{flag} cannot apply with " + ", ".join(why))
 
 
 def apply_overlong(
