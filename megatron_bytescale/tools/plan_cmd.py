@@ -25,6 +25,7 @@ from .plan_inputs import (
     add_data_arguments,
     add_scheduling_arguments,
     EP_SCHEDULERS,
+    ep_lockstep_note,
     ep_refusal,
     expert_parallel_size,
     load_cost_model,
@@ -245,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     note = moe_note(args)
     if note:
         print(note)
+    if ep > 1:
+        print(ep_lockstep_note(ep))
     for plan in plans.values():
         _report_overlong(plan)
     chosen = plans[args.scheduler]

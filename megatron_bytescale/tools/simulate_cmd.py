@@ -29,6 +29,7 @@ from .plan_inputs import (
     add_scheduling_arguments,
     check_global_tokens,
     EP_SCHEDULERS,
+    ep_lockstep_note,
     expert_parallel_size,
     load_cost_model,
     load_lengths,
@@ -273,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
     note = moe_note(args)
     if note:
         print(note)
+    if ep > 1:
+        print(ep_lockstep_note(ep))
     for line in errors(summaries):
         print(line)
     status = 0

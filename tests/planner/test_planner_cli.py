@@ -156,12 +156,15 @@ def test_cli_plans_carry_the_expert_parallel_slot_rule(scheduler, tmp_path, caps
     out = tmp_path / "plan.json"
     assert main(EP_ARGS + ["--scheduler", scheduler, "--expert-model-parallel-size", "2", "--validate",
                            "--json", str(out)]) == 0
-    assert "EP 2 (ring micro-batches at one slot on all members)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "EP 2 (ring micro-batches at one slot on all members)" in printed
+    assert "note: with --expert-model-parallel-size 2 the members of an expert group wait" in printed
     plan = StepPlan.from_json(out.read_text())
     assert plan.ep_size == 2 and plan.scheduler == scheduler
     plan.validate()
     assert main(EP_ARGS + ["--scheduler", scheduler, "--json", str(out)]) == 0  # EP 1: no rule recorded
     assert StepPlan.from_json(out.read_text()).ep_size == 1
+    assert "expert group wait" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("scheduler", ["naive", "pow2"])

@@ -147,11 +147,12 @@ def test_cli_at_ep_plans_with_the_slot_rule_and_skips_naive_and_pow2(monkeypatch
     assert ("note: pow2, naive, naive+offload skipped: their schedulers do not guarantee every ring "
             "micro-batch the same local index on all its members, which --expert-model-parallel-size 2 "
             "needs") in out
+    assert "note: with --expert-model-parallel-size 2 the members of an expert group wait" in out
     assert sorted(set(seen)) == [("balance", 2), ("static", 2)]
     seen.clear()
     assert main(EP_ARGS) == 0  # EP 1: every variant, no rule
     out = capsys.readouterr().out
-    assert "skipped" not in out
+    assert "skipped" not in out and "expert group wait" not in out
     assert sorted(set(seen)) == [("balance", 1), ("naive", 1), ("pow2", 1), ("static", 1)]
 
 
