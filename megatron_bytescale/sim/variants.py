@@ -104,8 +104,16 @@ class ClusterSetup:
     seq_split: bool = False
     """Balance variants split their longest rings along the pipeline where it pays and fits
     (``make_plan(seq_split=True)``); PP > 1 and plain 1F1B only."""
+    ep_size: int = 1
+    """Expert-parallel size the plans must honour (``make_plan``'s ``ep_size``): every ring
+    micro-batch at one local index on all its members. ``naive`` and ``pow2`` plans that break
+    it come back as errors."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1 \
+                or self.hdp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size!r}) must be an integer >= 1 that divides hdp_size "
+                             f"({self.hdp_size}): expert groups are that many consecutive HDP ranks")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size!r}) must be an integer >= 1")
@@ -137,6 +145,7 @@ def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_len
         overlong=setup.overlong, align=setup.align, context_length=context_length,
         delta=setup.delta, num_buckets=setup.num_buckets, estimate=False, pieces=False,
         topology=setup.topology, seq_split=setup.seq_split and variant.scheduler == "balance",
+        ep_size=setup.ep_size,
     )
     if setup.virtual_pipeline_size != 1:
         check_virtual_pipeline(setup.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)

@@ -24,6 +24,10 @@ from .plan_inputs import (
     add_cluster_arguments,
     add_data_arguments,
     add_scheduling_arguments,
+    EP_SCHEDULERS,
+    ep_lockstep_note,
+    ep_refusal,
+    expert_parallel_size,
     load_cost_model,
     load_lengths,
     load_topology,
@@ -200,12 +204,18 @@ def run(args: argparse.Namespace) -> int:
         check_seq_split(scheduler=args.scheduler, pp_size=pp_size, virtual_pipeline_size=args.vpp_size,
                         flag="--seq-split")
     topology = load_topology(args, cost_model)
+    ep = expert_parallel_size(args, cost_model)
+    if ep > 1 and args.scheduler not in EP_SCHEDULERS:
+        raise ValueError(ep_refusal(args.scheduler, ep))
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
     names = list(SCHEDULER_ORDER) if args.compare else [args.scheduler]
     plans: dict[str, Any] = {}
     rows, failed = [], {}
     for name in names:
+        if ep > 1 and name not in EP_SCHEDULERS:  # --compare: the row says why
+            failed[name] = ep_refusal(name, ep)
+            continue
         _progress(args, f"planning with {name} on {args.hdp_size:,} HDP ranks ...")
         t0 = time.perf_counter()
         try:
@@ -214,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 cost_model=cost_model, pp_size=pp_size, offload=args.offload, overlong=args.overlong,
                 align=args.align, context_length=context, delta=args.delta, num_buckets=args.num_buckets,
                 topology=topology, seq_split=args.seq_split and name == "balance",
+                ep_size=ep,
             )
             if args.vpp_size != 1:
                 plan = with_virtual_pipeline(plan, args.vpp_size, cost_model, topology)
@@ -226,16 +237,21 @@ def run(args: argparse.Namespace) -> int:
         _progress(args, f"  {name}: {dt * 1e3:.0f} ms, estimated step {plan.estimate.step_time_s:.2f} s")
         plans[name] = plan
         rows.append(_row(name, plan, dt))
-    if args.compare and args.megatron_hybrid_cp:  # Megatron's own scheduler, costed the same way
+    if args.compare and args.megatron_hybrid_cp and ep > 1:
+        failed[MEGATRON_ROW] = ep_refusal("megatron-hybrid-cp", ep)
+    elif args.compare and args.megatron_hybrid_cp:  # Megatron's own scheduler, costed the same way
         _megatron_hybrid_cp_row(args, lengths, cost_model, pp_size, topology, plans, rows, failed)
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
-          f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}"
+          f"{f', EP {ep} (ring micro-batches at one slot on all members)' if ep > 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
           f"{', two-level rings' if args.two_level_ring else ''}{', sequence split (balance)' if args.seq_split else ''}")
     _print_table(rows, failed)
     note = moe_note(args)
     if note:
         print(note)
+    if ep > 1:
+        print(ep_lockstep_note(ep))
     for plan in plans.values():
         _report_overlong(plan)
     chosen = plans[args.scheduler]

@@ -169,8 +169,8 @@ def moe_note(args: argparse.Namespace) -> str | None:
     The presets' cost model counts the router and top-k experts per token plus the token
     dispatch (the dispatcher's copies and TP collectives, and the all-to-alls with
     ``--expert-model-parallel-size`` > 1; :mod:`..planner.moe_cost`), and the plugin trains MoE
-    under HDP only with TP = PP = EP = 1 (docs/moe.md), so the output must not read as a
-    measured or trainable MoE layout.
+    under HDP only in some layouts (docs/moe.md), so the output must not read as a measured or
+    necessarily trainable MoE layout.
     """
     from ..planner.presets import model_spec
 
@@ -185,9 +185,39 @@ def moe_note(args: argparse.Namespace) -> str | None:
     return (f"note: {spec.name} is a mixture-of-experts model ({spec.num_experts} experts, "
             f"top-{spec.moe_router_topk}); the cost model counts the router and top-"
             f"{spec.moe_router_topk} experts per token and the token dispatch ({dispatch}), "
-            "and the plugin trains MoE under HDP with tensor, pipeline and "
-            "expert parallelism 1 only (docs/moe.md): an analytic estimate, not a trainable "
-            "layout")
+            "and the plugin trains MoE under HDP with tensor or pipeline parallelism at expert "
+            "parallelism 1, or with expert parallelism without pipeline stages (docs/moe.md): "
+            "an analytic estimate, not a measured layout")
+
+
+#: Schedulers whose plans keep every ring micro-batch at the same local index (slot) on all its
+#: members, the rule expert parallelism's all-to-all needs (``StepPlan.ep_size``).
+EP_SCHEDULERS = ("balance", "static")
+
+
+def expert_parallel_size(args: argparse.Namespace, cost_model: Any) -> int:
+    """E the plans must honour: the cost model's (``--expert-model-parallel-size``, else the
+    ``--model`` preset's or the ``--cost-model`` file's); it must divide ``--hdp-size``."""
+    ep = int(getattr(cost_model, "expert_parallel_size", 1))
+    hdp = getattr(args, "hdp_size", None)
+    if ep > 1 and hdp is not None and hdp % ep:
+        raise ValueError(f"expert-parallel size {ep} (of the cost model) must divide --hdp-size ({hdp}): "
+                         "expert groups are that many consecutive HDP ranks")
+    return ep
+
+
+def ep_lockstep_note(ep: int) -> str:
+    """What estimates and simulated steps at expert parallelism ``ep`` leave out, in one line."""
+    return (f"note: with --expert-model-parallel-size {ep} the members of an expert group wait for each "
+            "other in every slot (each MoE layer's all-to-all); the estimated steps do not charge that "
+            "wait (docs/moe.md: up to 1.9x of balance's micro-batch phase on Fig. 17's Mistral panels)")
+
+
+def ep_refusal(scheduler: str, ep: int) -> str:
+    """Why ``scheduler`` cannot plan for expert parallelism ``ep``, in one line."""
+    return (f"scheduler {scheduler!r} cannot plan for --expert-model-parallel-size {ep}: it does not guarantee "
+            "every ring micro-batch the same local index on all its members, which the experts' "
+            f"all-to-all needs; use " + " or ".join(f"--scheduler {s}" for s in EP_SCHEDULERS))
 
 
 def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:

@@ -28,6 +28,9 @@ from .plan_inputs import (
     add_data_arguments,
     add_scheduling_arguments,
     check_global_tokens,
+    EP_SCHEDULERS,
+    ep_lockstep_note,
+    expert_parallel_size,
     load_cost_model,
     load_lengths,
     load_topology,
@@ -196,6 +199,20 @@ def _contexts(args: argparse.Namespace) -> list[int | None]:
     return contexts
 
 
+def _variants_for_ep(args: argparse.Namespace, variants: list[Any], ep: int) -> tuple[list[Any], list[Any]]:
+    """(variants to simulate, variants skipped): with expert parallelism only the schedulers
+    whose plans meet its slot rule are simulated (a plan an EP run cannot train is not priced)."""
+    if ep <= 1:
+        return variants, []
+    keep = [v for v in variants if v.scheduler in EP_SCHEDULERS]
+    skipped = [v for v in variants if v.scheduler not in EP_SCHEDULERS]
+    if not keep:
+        raise ValueError(f"--variants {args.variants}: none of them plans for --expert-model-parallel-size "
+                         f"{ep} (ring micro-batches at one local index on all members); use balance, "
+                         "balance+lookahead or static")
+    return keep, skipped
+
+
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
     from ..data.synthetic import synthetic_lengths
@@ -209,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     cost_model = _with_links(args, cost_model)
     topology = load_topology(args, cost_model)
     tp = _tensor_parallel_size(args)
+    ep = expert_parallel_size(args, cost_model)
+    variants, skipped = _variants_for_ep(args, variants, ep)
     overheads, overhead_line = _overheads(args, tp=tp, pp=pp)
     if args.vpp_size != 1:
         from ..planner.plan import check_virtual_pipeline
@@ -218,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         hdp_size=args.hdp_size, capacity=args.capacity, cost_model=cost_model, pp_size=pp,
         tensor_parallel_size=tp, align=args.align, overlong=args.overlong, delta=args.delta,
         num_buckets=args.num_buckets, overheads=overheads, topology=topology,
-        virtual_pipeline_size=args.vpp_size, seq_split=args.seq_split,
+        virtual_pipeline_size=args.vpp_size, seq_split=args.seq_split, ep_size=ep,
     )  # fmt: skip
     if args.lengths is not None:
         if args.steps > 1:
@@ -248,9 +267,15 @@ def run(args: argparse.Namespace) -> int:
           f"cost model {cost_model.name}{', two-level rings' if cost_model.two_level_ring else ''}; {overhead_line}")
     print(summary_table(summaries))
     print(f"({NOTE})")
+    if skipped:
+        print(f"note: {', '.join(v.name for v in skipped)} skipped: their schedulers do not guarantee "
+              f"every ring micro-batch the same local index on all its members, which "
+              f"--expert-model-parallel-size {ep} needs; balance and static plans here keep it")
     note = moe_note(args)
     if note:
         print(note)
+    if ep > 1:
+        print(ep_lockstep_note(ep))
     for line in errors(summaries):
         print(line)
     status = 0

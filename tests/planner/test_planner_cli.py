@@ -140,6 +140,65 @@ def test_cli_says_what_a_moe_preset_plan_is(capsys):
     assert main(base + ["--model", "mistral-8x7b"]) == 0
     out = capsys.readouterr().out
     assert "note: mistral-8x7b is a mixture-of-experts model (8 experts, top-2)" in out
-    assert "expert parallelism 1 only" in out
+    assert "at expert parallelism 1, or with expert parallelism without pipeline stages" in out
     assert main(base + ["--model", "llama-7b"]) == 0
     assert "mixture-of-experts" not in capsys.readouterr().out
+
+
+EP_ARGS = ["--global-tokens", "400000", "--hdp-size", "8", "--pp-size", "1", "--no-offload", "--quiet",
+           "--model", "mistral-8x7b", "--context-length", "65536"]
+
+
+@pytest.mark.parametrize("scheduler", ["balance", "static"])
+def test_cli_plans_carry_the_expert_parallel_slot_rule(scheduler, tmp_path, capsys):
+    """--expert-model-parallel-size E reaches make_plan: the written plan holds ep_size E and
+    passes validate(), which rejects a ring micro-batch at different local indices."""
+    out = tmp_path / "plan.json"
+    assert main(EP_ARGS + ["--scheduler", scheduler, "--expert-model-parallel-size", "2", "--validate",
+                           "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "EP 2 (ring micro-batches at one slot on all members)" in printed
+    assert "note: with --expert-model-parallel-size 2 the members of an expert group wait" in printed
+    plan = StepPlan.from_json(out.read_text())
+    assert plan.ep_size == 2 and plan.scheduler == scheduler
+    plan.validate()
+    assert main(EP_ARGS + ["--scheduler", scheduler, "--json", str(out)]) == 0  # EP 1: no rule recorded
+    assert StepPlan.from_json(out.read_text()).ep_size == 1
+    assert "expert group wait" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scheduler", ["naive", "pow2"])
+def test_cli_refuses_schedulers_without_the_slot_rule_at_ep(scheduler, capsys):
+    assert main(EP_ARGS + ["--scheduler", scheduler, "--ep-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bytescale plan: error: ")
+    assert f"scheduler '{scheduler}' cannot plan for --expert-model-parallel-size 2" in err[0]
+    assert "use --scheduler balance or --scheduler static" in err[0]
+    assert main(EP_ARGS + ["--scheduler", scheduler]) == 0  # fine without expert parallelism
+
+
+def test_cli_compare_at_ep_says_which_rows_cannot_plan(capsys):
+    assert main(EP_ARGS + ["--compare", "--ep-size", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in
+            ("balance", "naive", "static", "pow2", "megatron-hybrid-cp")}
+    assert rows["balance"][1] != "n/a" and rows["static"][1] != "n/a"
+    for name in ("naive", "pow2", "megatron-hybrid-cp"):
+        assert rows[name][1] == "n/a"
+        assert f"{name}: not applicable: scheduler '{name}' cannot plan for --expert-model-parallel-size 2" in out
+
+
+def test_cli_ep_of_a_cost_model_file(tmp_path, capsys):
+    """A cost model file's expert-parallel size (bytescale profile --num-experts ...
+    --expert-model-parallel-size E) binds the plan too, and must divide --hdp-size."""
+    path = tmp_path / "cm.json"
+    preset_cost_model("mistral-8x7b", expert_parallel_size=2).save(path)
+    base = ["--global-tokens", "200000", "--no-offload", "--quiet", "--cost-model", str(path),
+            "--context-length", "65536"]
+    out = tmp_path / "plan.json"
+    assert main(base + ["--hdp-size", "6", "--json", str(out)]) == 0
+    assert StepPlan.from_json(out.read_text()).ep_size == 2
+    capsys.readouterr()
+    assert main(base + ["--hdp-size", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "expert-parallel size 2 (of the cost model) must divide --hdp-size (7)" in err

@@ -122,3 +122,50 @@ def test_cli_hardware_preset_fitted_to_the_paper(capsys):
     assert all(steps["paper-fit"][v] > steps["h100"][v] for v in ("static", "balance"))
     assert main(argv) == 0
     assert "@paper-fit" in capsys.readouterr().out.splitlines()[0]
+
+
+EP_ARGS = ["--global-tokens", "400000", "--hdp-size", "8", "--pp-size", "1", "--model", "mistral-8x7b",
+           "--context-length", "65536", "--quiet"]
+
+
+def test_cli_at_ep_plans_with_the_slot_rule_and_skips_naive_and_pow2(monkeypatch, capsys):
+    """--expert-model-parallel-size E: static and balance are planned with ep_size E (what an EP
+    run trains); naive, naive+offload and pow2 are skipped with a note, not priced."""
+    from megatron_bytescale.sim import variants
+
+    seen, real = [], variants.make_plan
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["scheduler"], kwargs["ep_size"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(variants, "make_plan", spy)
+    assert main(EP_ARGS + ["--expert-model-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [l.split()[1] for l in out.splitlines()[3:] if l.startswith("64K")]
+    assert rows == ["static", "balance", "balance+lookahead"]
+    assert ("note: pow2, naive, naive+offload skipped: their schedulers do not guarantee every ring "
+            "micro-batch the same local index on all its members, which --expert-model-parallel-size 2 "
+            "needs") in out
+    assert "note: with --expert-model-parallel-size 2 the members of an expert group wait" in out
+    assert sorted(set(seen)) == [("balance", 2), ("static", 2)]
+    seen.clear()
+    assert main(EP_ARGS) == 0  # EP 1: every variant, no rule
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "expert group wait" not in out
+    assert sorted(set(seen)) == [("balance", 1), ("naive", 1), ("pow2", 1), ("static", 1)]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--ep-size", "2", "--variants", "naive,pow2"],
+     r"--variants naive,pow2: none of them plans for --expert-model-parallel-size 2 .*use balance, "
+     r"balance\+lookahead or static"),
+    (["--ep-size", "3"], r"--expert-model-parallel-size \(3\) must divide --hdp-size \(8\)"),
+])
+def test_cli_ep_bad_input_is_one_line_exit_2(argv, match, capsys):
+    import re
+
+    assert main(EP_ARGS + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bytescale simulate: error: ")
+    assert re.search(match, err[0]), err[0]

@@ -12,6 +12,7 @@ from megatron_bytescale.data.synthetic import synthetic_lengths
 from megatron_bytescale.planner.plan import PlanError
 from megatron_bytescale.planner.presets import model_spec, preset_cost_model
 from megatron_bytescale.planner.schedulers import SCHEDULERS, make_plan
+from megatron_bytescale.sim.variants import plan_for
 from megatron_bytescale.sim import (
     ABLATION,
     VARIANTS,
@@ -148,3 +149,20 @@ def test_simulated_step_does_not_depend_on_this_machines_clock(byted_batch, monk
         byted_batch, parse_variants(["balance", "balance+lookahead"]), modelled, context_length=262144)}
     assert out["balance"].step_time_s == pytest.approx(fast["balance"].step_time_s + 0.25)
     assert out["balance+lookahead"].step_time_s == fast["balance+lookahead"].step_time_s
+
+
+def test_cluster_setup_ep_size_binds_the_plans():
+    """ClusterSetup.ep_size reaches make_plan: balance and static plans carry the slot rule; a
+    pow2 plan that breaks it becomes an error outcome naming the scheduler, not a priced step."""
+    cm = preset_cost_model("mistral-8x7b", "h100", expert_parallel_size=2)
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match=r"ep_size .* must be an integer >= 1 that divides hdp_size \(8\)"):
+            ClusterSetup(hdp_size=8, capacity=8192, cost_model=cm, ep_size=bad)
+    setup = ClusterSetup(hdp_size=8, capacity=8192, cost_model=cm, ep_size=2)
+    lengths = synthetic_lengths("github", 400_000, seed=0, max_length=65536)
+    for name in ("static", "balance"):
+        plan, _ = plan_for(lengths, VARIANTS[name], setup)
+        assert plan.ep_size == 2
+    pow2 = simulate_variants(lengths, [VARIANTS["pow2"]], setup)[0]
+    assert pow2.result is None and "scheduler 'pow2' cannot plan for expert parallelism (ep_size 2)" in pow2.error
+    assert simulate_variants(lengths, [VARIANTS["pow2"]], dataclasses.replace(setup, ep_size=1))[0].result
