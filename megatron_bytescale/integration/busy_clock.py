@@ -13,8 +13,9 @@ on what they count.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -27,3 +28,22 @@ def busy_clock() -> Callable[[], float]:
 def busy_clock_name() -> str:
     """What :func:`busy_clock` measures, for reports."""
     return "thread CPU time" if torch.get_num_threads() == 1 else "process CPU time"
+
+
+class MicroBatchTiming:
+    """Busy (:func:`busy_clock`) and wall time of one micro-batch on a pipeline stage, summed
+    over every op the stage runs for it (forward and backward, every model chunk)."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.wall_s = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        clock = busy_clock()
+        busy0, wall0 = clock(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += clock() - busy0
+            self.wall_s += time.perf_counter() - wall0

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from megatron_bytescale.planner.interleaved_program import stage_program
 
-from .busy_clock import busy_clock
+from .busy_clock import MicroBatchTiming
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
 from .schedule import ForwardStepFunc, MicroBatchRecord, hdp_forward_step, micro_batch_rows, micro_batch_scope
@@ -107,7 +106,7 @@ def run_interleaved_micro_batches(
             rows //= rank_map.tp_size
         return (rows, 1, config.hidden_size)
 
-    records = [_ChunkTiming() for _ in range(count)]
+    records = [MicroBatchTiming() for _ in range(count)]
     traffic: dict[int, Any] = {}
     forward_data_store: list = []
     device = next((p.device for p in chunks[0].parameters()), torch.device("cpu"))
@@ -207,20 +206,3 @@ def check_plan_interleaved(step: "HDPStep", pp_size: int, vpp: int) -> None:
             f"vpp_size={vpp} (make_step_planner)"
         )
 
-
-class _ChunkTiming:
-    """Busy (CPU) and wall time of one micro-batch on this stage, all its chunk ops together."""
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self.wall_s = 0.0
-
-    @contextlib.contextmanager
-    def timed(self):
-        clock = busy_clock()
-        busy0, wall0 = clock(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.busy_s += clock() - busy0
-            self.wall_s += time.perf_counter() - wall0

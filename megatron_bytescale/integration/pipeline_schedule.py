@@ -45,12 +45,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .busy_clock import busy_clock
+from .busy_clock import MicroBatchTiming
 from .chunk_schedule import share_chunk_prefixes, stage_ops
 from .compat import megatron_backward_step, megatron_forward_step
 from .groups import HDPGroupManager
@@ -124,7 +123,7 @@ def run_pipeline_micro_batches(
             rows //= rank_map.tp_size
         return (rows, 1, config.hidden_size)
 
-    records = [_Timing() for _ in range(count)]
+    records = [MicroBatchTiming() for _ in range(count)]
     traffic: dict[int, Any] = {}
     forward_data_store: list = []
     device = next((param.device for param in model.parameters()), torch.device("cpu"))
@@ -211,20 +210,3 @@ def _after_backward(p2p, grad, following, shape, first: bool, last: bool):
         return None, p2p.recv_backward(shape(following[1]), False)
     return None, None
 
-
-class _Timing:
-    """Busy (CPU) and wall time of one micro-batch on this stage, forward + backward."""
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self.wall_s = 0.0
-
-    @contextlib.contextmanager
-    def timed(self):
-        clock = busy_clock()
-        busy0, wall0 = clock(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.busy_s += clock() - busy0
-            self.wall_s += time.perf_counter() - wall0

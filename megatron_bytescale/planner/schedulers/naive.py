@@ -80,31 +80,42 @@ def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit],
     steps = 0
     while rings or singles:
         steps += 1
-        by_count: dict[int, list[int]] = {}
-        for r in range(n):
-            by_count.setdefault(counts[r], []).append(r)
-        free = {c: FreeRanks(ranks, topology) for c, ranks in sorted(by_count.items())}
-        waiting: list[Unit] = []
-        first = True
-        for u in rings:
-            groups = [g for g in free.values() if g.count >= u.ring_size]
-            members = next((m for g in groups if (m := g.take(u.ring_size, fallback=False)) is not None), None)
-            if members is None and groups and first:
-                members = groups[0].take(u.ring_size, fallback=True)
-            if members is None:
-                waiting.append(u)
-                continue
-            first = False
-            placements.append(placement(tuple(members), u.seqs, u.offload_ratio))
-            for r in members:
-                counts[r] += 1
+        waiting, free = place_ring_step(rings, counts, topology, placements)
         if len(waiting) == len(rings) and not singles:
             raise RuntimeError("naive: no ring fits any count group (internal error; see docstring)")
         rings = waiting
-        for r in sorted(r for g in free.values() for r in g.remaining()):
+        for r in sorted(r for g in free for r in g.remaining()):
             if not singles:
                 break
             u = singles.popleft()
             placements.append(placement((r,), u.seqs, u.offload_ratio))
             counts[r] += 1
     return placements, steps
+
+
+def place_ring_step(rings: list[Unit], counts: list[int], topology: Topology,
+                    placements: list[Placement]) -> tuple[list[Unit], list[FreeRanks]]:
+    """One time step of the PP fill: each ring of ``rings`` (in order) on free ranks of one count
+    group (ranks with the same number of micro-batches so far), the first group that holds it on
+    its fewest nodes; the step's first ring takes the fewest nodes its group allows if no group
+    holds it that well. Appends to ``placements`` and ``counts``; returns the rings that wait
+    for a later step and every group's free ranks (for the singles of the step)."""
+    by_count: dict[int, list[int]] = {}
+    for r, c in enumerate(counts):
+        by_count.setdefault(c, []).append(r)
+    free = [FreeRanks(ranks, topology) for _, ranks in sorted(by_count.items())]
+    waiting: list[Unit] = []
+    first = True
+    for u in rings:
+        groups = [g for g in free if g.count >= u.ring_size]
+        members = next((m for g in groups if (m := g.take(u.ring_size, fallback=False)) is not None), None)
+        if members is None and groups and first:
+            members = groups[0].take(u.ring_size, fallback=True)
+        if members is None:
+            waiting.append(u)
+            continue
+        first = False
+        placements.append(placement(tuple(members), u.seqs, u.offload_ratio))
+        for r in members:
+            counts[r] += 1
+    return waiting, free

@@ -35,7 +35,7 @@ import numpy as np
 from ..sharding import ShardingContext, Unit
 from ..topology import Topology
 from ._common import Placement, unit_sort_key
-from .placement import FreeRanks
+from .naive import place_ring_step
 
 
 def level_steps(units: Sequence[Unit], ctx: ShardingContext, n: int,
@@ -67,24 +67,7 @@ def _ring_phase(units: Sequence[Unit], topology: Topology, n: int) -> tuple[list
     placements: list[Placement] = []
     counts = [0] * n
     while rings:
-        by_count: dict[int, list[int]] = {}
-        for r in range(n):
-            by_count.setdefault(counts[r], []).append(r)
-        free = [FreeRanks(ranks, topology) for _, ranks in sorted(by_count.items())]
-        waiting: list[Unit] = []
-        first = True
-        for u in rings:
-            groups = [g for g in free if g.count >= u.ring_size]
-            members = next((m for g in groups if (m := g.take(u.ring_size, fallback=False)) is not None), None)
-            if members is None and groups and first:
-                members = groups[0].take(u.ring_size, fallback=True)
-            if members is None:
-                waiting.append(u)
-                continue
-            first = False
-            placements.append(Placement(ring=tuple(members), seqs=u.seqs, offload_ratio=u.offload_ratio))
-            for r in members:
-                counts[r] += 1
+        waiting, free = place_ring_step(rings, counts, topology, placements)
         if len(waiting) == len(rings) and not singles:
             raise RuntimeError("balance: no ring fits any count group (internal error)")
         rings = waiting
