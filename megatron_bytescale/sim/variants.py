@@ -118,7 +118,7 @@ class ClusterSetup:
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size!r}) must be an integer >= 1")
         if self.seq_split:
-            check_seq_split(scheduler="balance", pp_size=self.pp_size,
+            check_seq_split(scheduler="balance", pp_size=self.pp_size, ep_size=self.ep_size,
                             virtual_pipeline_size=self.virtual_pipeline_size, flag="--seq-split")
 
     @property

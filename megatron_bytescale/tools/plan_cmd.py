@@ -200,11 +200,11 @@ def run(args: argparse.Namespace) -> int:
     cost_model, pp_size = load_cost_model(args)
     if args.vpp_size != 1:
         check_virtual_pipeline(args.vpp_size, pp_size, max(1, cost_model.num_layers // pp_size))
-    if args.seq_split:
-        check_seq_split(scheduler=args.scheduler, pp_size=pp_size, virtual_pipeline_size=args.vpp_size,
-                        flag="--seq-split")
-    topology = load_topology(args, cost_model)
     ep = expert_parallel_size(args, cost_model)
+    if args.seq_split:
+        check_seq_split(scheduler=args.scheduler, pp_size=pp_size, ep_size=ep,
+                        virtual_pipeline_size=args.vpp_size, flag="--seq-split")
+    topology = load_topology(args, cost_model)
     if ep > 1 and args.scheduler not in EP_SCHEDULERS:
         raise ValueError(ep_refusal(args.scheduler, ep))
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")

@@ -166,3 +166,18 @@ def test_cluster_setup_ep_size_binds_the_plans():
     pow2 = simulate_variants(lengths, [VARIANTS["pow2"]], setup)[0]
     assert pow2.result is None and "scheduler 'pow2' cannot plan for expert parallelism (ep_size 2)" in pow2.error
     assert simulate_variants(lengths, [VARIANTS["pow2"]], dataclasses.replace(setup, ep_size=1))[0].result
+
+
+def test_seq_split_is_refused_with_expert_parallelism():
+    """The sequence split and the EP slot rule do not combine (one line naming both)."""
+    import pytest
+
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.sim.variants import ClusterSetup
+
+    cm = CostModel(num_layers=4, alpha1=1e-9, beta1=1e-6, gamma=1e-4, alpha2=1e3, d2h_bandwidth=1e10,
+                   h2d_bandwidth=1e10, kv_bytes_per_token=64.0, p2p_bandwidth_intra=1e9,
+                   p2p_bandwidth_inter=1e9)
+    with pytest.raises(ValueError, match="expert parallel size 2"):
+        ClusterSetup(hdp_size=4, capacity=1024, cost_model=cm, pp_size=2, seq_split=True, ep_size=2)
+    assert ClusterSetup(hdp_size=4, capacity=1024, cost_model=cm, pp_size=2, seq_split=True).seq_split
