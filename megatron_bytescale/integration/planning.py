@@ -101,19 +101,19 @@ def check_seq_split_flags(config: ByteScaleConfig, *, scheduler: str, pp_size: i
     """Raise ValueError in one line, naming the flags, unless ``--bytescale-seq-split`` can run:
     split chunks run in the plain 1F1B driver only, never offload, and expert groups need
     every ring at one slot (which a split's shifted orders do not keep)."""
-    why = []
-    if scheduler != "balance":
-        why.append(f"--bytescale-scheduler {scheduler} (use balance)")
-    if pp_size < 2:
-        why.append(f"--pipeline-model-parallel-size {pp_size} (needs >= 2)")
-    if vpp_size != 1:
-        why.append(f"--virtual-pipeline-model-parallel-size {vpp_size} (drop it)")
-    if ep_size != 1:
-        why.append(f"--expert-model-parallel-size {ep_size} (needs 1)")
-    if config.offload:
-        why.append("--bytescale-offload (use --no-bytescale-offload)")
+    from megatron_bytescale.planner.schedulers import seq_split_conflicts
+
+    words = {
+        "scheduler": f"--bytescale-scheduler {scheduler} (use balance)",
+        "pp": f"--pipeline-model-parallel-size {pp_size} (needs >= 2)",
+        "vpp": f"--virtual-pipeline-model-parallel-size {vpp_size} (drop it)",
+        "ep": f"--expert-model-parallel-size {ep_size} (needs 1)",
+        "offload": "--bytescale-offload (use --no-bytescale-offload)",
+    }
+    why = seq_split_conflicts(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size,
+                              virtual_pipeline_size=vpp_size, offload=config.offload)
     if why:
-        raise ValueError("--bytescale-seq-split does not run with " + ", ".join(why))
+        raise ValueError("--bytescale-seq-split does not run with " + ", ".join(words[k] for k in why))
 
 
 def seq_split_refusals(args: Any) -> list[str]:

@@ -22,7 +22,7 @@ from ..cost_model import CostModel
 from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..topology import Topology
-from ._common import OVERLONG_MODES, PlanRequest, build_request, check_seq_split
+from ._common import OVERLONG_MODES, PlanRequest, build_request, check_seq_split, seq_split_conflicts
 from .balance import plan_balance
 from .naive import plan_naive
 from .pow2 import plan_pow2
@@ -147,4 +147,5 @@ def check_expert_slots(plan: StepPlan, scheduler: str) -> None:
                     )
 
 
-__all__ = ["SCHEDULERS", "OVERLONG_MODES", "check_seq_split", "make_plan", "static_cp_size"]
+__all__ = ["SCHEDULERS", "OVERLONG_MODES", "check_seq_split", "make_plan", "seq_split_conflicts",
+           "static_cp_size"]

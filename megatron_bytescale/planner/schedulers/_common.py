@@ -183,24 +183,33 @@ def build_request(
     )
 
 
+def seq_split_conflicts(*, scheduler: str, pp_size: int, ep_size: int = 1,
+                        virtual_pipeline_size: int = 1, offload: bool = False) -> list[str]:
+    """What keeps rings from being split along the pipeline, as keys (``scheduler``, ``pp``,
+    ``vpp``, ``ep``, ``offload``): one rule for the planner and the training flags, each of which
+    words them its own way. The split needs the ``balance`` scheduler, PP > 1, plain 1F1B (no
+    virtual stages), no expert parallelism (a split's shifted orders break the one-slot rule)
+    and, where the caller asks (training), no activation offload (split chunks do not offload)."""
+    return [key for key, bad in (("scheduler", scheduler != "balance"), ("pp", pp_size < 2),
+                                 ("vpp", virtual_pipeline_size != 1), ("ep", ep_size != 1),
+                                 ("offload", offload)) if bad]
+
+
 def check_seq_split(*, scheduler: str, pp_size: int, ep_size: int = 1, virtual_pipeline_size: int = 1,
                     offload: bool = False, flag: str = "seq_split") -> None:
-    """Raise ValueError in one line unless splitting rings along the pipeline applies: the
-    ``balance`` scheduler, PP > 1, plain 1F1B (no virtual stages), no expert parallelism and,
-    where the caller asks (training), no activation offload (split chunks do not offload)."""
-    why = []
-    if scheduler != "balance":
-        why.append(f"scheduler {scheduler!r} (use balance)")
-    if pp_size < 2:
-        why.append(f"pipeline size {pp_size} (needs >= 2: there is no fill and drain to shorten)")
-    if virtual_pipeline_size != 1:
-        why.append(f"{virtual_pipeline_size} virtual stages (split chunks run plain 1F1B; drop the VPP flags)")
-    if ep_size != 1:
-        why.append(f"expert parallel size {ep_size} (needs 1)")
-    if offload:
-        why.append("activation offload (split chunks do not offload; turn offload off)")
+    """Raise ValueError in one line unless splitting rings along the pipeline applies
+    (:func:`seq_split_conflicts`)."""
+    words = {
+        "scheduler": f"scheduler {scheduler!r} (use balance)",
+        "pp": f"pipeline size {pp_size} (needs >= 2: there is no fill and drain to shorten)",
+        "vpp": f"{virtual_pipeline_size} virtual stages (split chunks run plain 1F1B; drop the VPP flags)",
+        "ep": f"expert parallel size {ep_size} (needs 1)",
+        "offload": "activation offload (split chunks do not offload; turn offload off)",
+    }
+    why = seq_split_conflicts(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size,
+                              virtual_pipeline_size=virtual_pipeline_size, offload=offload)
     if why:
-        raise ValueError(f"{flag} cannot apply with " + ", ".join(why))
+        raise ValueError(f"{flag} cannot apply with " + ", ".join(words[k] for k in why))
 
 
 def apply_overlong(
