@@ -57,8 +57,21 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, timeout_s: float = 60.0) -> None:
+        """Stop beating and wait for the thread: a daemon thread still inside a store call when
+        the interpreter exits can abort the process (SIGABRT) after training finished.
+
+        The wait is bounded: a store call gives up after the store's own timeout (30 s for
+        :meth:`from_env`), and the thread ends on that error.
+        """
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether the beating thread is still alive."""
+        return self._thread.is_alive()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):

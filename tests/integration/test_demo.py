@@ -61,6 +61,15 @@ def test_report_averages_skip_the_warm_up_step_and_compare_with_static():
     assert rows[1][headers.index("P2P MB/step") + 1] == "0.10x"
 
 
+FATAL_MARKERS = ("terminate called", "Fatal Python error", "Aborted", "Segmentation fault", "exception not rethrown")
+
+
+def fatal_lines(stderr: str) -> str:
+    """The lines of a worker's crash that torchrun's summary (the tail) pushes out of view."""
+    lines = [line for line in stderr.splitlines() if any(m in line for m in FATAL_MARKERS)]
+    return "\n".join(lines[:20]) + "\n" if lines else ""
+
+
 def run_small_demo(out, *flags: str, layers: int = 1, steps: int = 3):
     """``bytescale demo`` with a tiny model; returns the finished process (checked)."""
     command = [
@@ -71,7 +80,7 @@ def run_small_demo(out, *flags: str, layers: int = 1, steps: int = 3):
     ]  # fmt: skip
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + fatal_lines(done.stderr) + done.stderr[-3000:]
     return done
 
 
