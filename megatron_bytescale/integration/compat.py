@@ -335,3 +335,52 @@ def enable_moe_router_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def moe_log_tracker_values(name: str) -> Optional["torch.Tensor"]:
+    """The per-layer values megatron-core's MoE log tracker holds for ``name`` (None if none).
+
+    0.16.1 keeps them in a dict of dicts (``get_moe_layer_wise_logging_tracker``); 0.19 in a
+    ``MoEMetricsTracker`` (``get_moe_metrics_tracker().metrics``).
+    """
+    if megatron_core_version() >= (0, 17, 0):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        entry = get_moe_metrics_tracker().metrics.get(name)
+        return None if entry is None else entry.values
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get(name)
+    return None if entry is None else entry["values"]
+
+
+def clear_moe_log_tracker() -> None:
+    """Zero every value of megatron-core's MoE log tracker, as Megatron-LM does after a log."""
+    if megatron_core_version() >= (0, 17, 0):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().clear()
+        return
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def report_moe_log(track_names: list[str], *, num_layers: int, loss_scale: float = 1.0
+                   ) -> dict[str, float]:
+    """What Megatron-LM's training log shows for the MoE losses ``track_names`` now: megatron-core's
+    own reduction over ranks (pipeline stages, each value's reduce group), times ``loss_scale``,
+    averaged over the layers. Collective over every rank; clears the tracker as the log does."""
+    totals: dict[str, Any] = {}
+    if megatron_core_version() >= (0, 17, 0):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().report(loss_scale=loss_scale, iteration=0,
+                                         track_names=track_names, num_layers=num_layers,
+                                         total_loss_dict=totals)
+    else:
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        track_moe_metrics(loss_scale=loss_scale, iteration=0, total_loss_dict=totals,
+                          track_names=track_names, num_layers=num_layers)
+    return {name: float(totals[name]) for name in track_names if name in totals}

@@ -142,6 +142,13 @@ def hdp_forward_backward(*, forward_step_func: Callable[..., Any], data_iterator
     if not forward_only:  # the step's HDP metrics: Megatron's log line, TensorBoard, W&B
         from .megatron_lm_metrics import report_step_metrics
 
+        if getattr(config, "num_moe_experts", None):  # the router losses' log values
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+            from .moe import record_router_loss_logs
+
+            record_router_loss_logs(chunks, scale=get_num_microbatches() / max(step.total_tokens, 1))
+
         report_step_metrics(step, records, store, manager=manager, args=megatron_args(),
                             offload=offload)
     return store

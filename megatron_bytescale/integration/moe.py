@@ -155,6 +155,11 @@ def install_hdp_router_losses(model: torch.nn.Module) -> int:
         module.register_forward_hook(
             partial(_router_losses_hook, aux_coeff=aux_coeff, z_coeff=float(z_coeff or 0.0))
         )
+        # every router logs its losses each step, also on a rank that ran no micro-batch:
+        # megatron-core's log reduction is a collective over the ranks that hold the layer
+        setattr(module, _LOG_ATTRIBUTE, {name: None for name, coeff in
+                                         (("load_balancing_loss", aux_coeff), ("z_loss", z_coeff))
+                                         if coeff})
         count += 1
     logger.debug("HDP router losses (per-document aux loss, per-token z-loss) on %d routers",
                  count)
@@ -185,17 +190,89 @@ def _router_losses_hook(router: torch.nn.Module, args: tuple, output: Any, *,
 
         row_offset = parallel_state.get_tensor_model_parallel_rank() * logits.size(0)
         tp_group = parallel_state.get_tensor_model_parallel_group()
-    loss = router_losses(logits, bound.layout, topk=router.topk,
-                         score_function=router.score_function, aux_coeff=aux_coeff,
-                         z_coeff=z_coeff, hdp=manager.hdp, row_offset=row_offset,
-                         tp_group=tp_group)
-    return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
+    aux, z = router_loss_parts(logits, bound.layout, topk=router.topk,
+                               score_function=router.score_function, aux_coeff=aux_coeff,
+                               z_coeff=z_coeff, hdp=manager.hdp, row_offset=row_offset,
+                               tp_group=tp_group)
+    _remember_for_log(router, aux_coeff=aux_coeff, z_coeff=z_coeff, aux=aux, z=z)
+    return MoEAuxLossAutoScaler.apply(probs, aux + z), routing_map
+
+
+_LOG_ATTRIBUTE = "_bytescale_router_loss_log"
+
+
+def _remember_for_log(router: torch.nn.Module, *, aux_coeff: float, z_coeff: float,
+                      aux: torch.Tensor, z: torch.Tensor) -> None:
+    """Add this micro-batch's router-loss sums (without their coefficients) to the router's
+    running totals, which :func:`record_router_loss_logs` hands to Megatron's log tracker."""
+    log = getattr(router, _LOG_ATTRIBUTE)
+    for name, coeff, value in (("load_balancing_loss", aux_coeff, aux), ("z_loss", z_coeff, z)):
+        if coeff:
+            part = value.detach() / coeff
+            log[name] = part if log.get(name) is None else log[name] + part
+
+
+def record_router_loss_logs(model_chunks: Any, *, scale: float) -> int:
+    """Hand the step's HDP router losses to megatron-core's MoE log tracker; returns how many
+    (router, loss) values were recorded.
+
+    Megatron-LM logs ``load_balancing_loss`` and ``z_loss`` from that tracker. Under HDP the
+    routers' own loss paths are off (:func:`install_hdp_router_losses`), so without this the
+    log reads 0. Each value recorded is this rank's share of ``sum over documents of tokens x
+    aux(document) / coeff`` (z-loss: ``sum over tokens of logsumexp^2``) times ``scale``, with
+    the group that completes the sum: the HDP ranks of this stage (ring members hold shares of a
+    document), and their TP ranks too with sequence parallelism (each holds its rows' share).
+    Megatron sums the values over that group and the pipeline stages, multiplies by
+    ``1 / num_microbatches`` and averages over the MoE layers, so with ``scale =
+    num_microbatches / tokens of the global batch`` the log shows the token-weighted mean over
+    the global batch's documents of what megatron-core logs for one document alone.
+    Every router with an HDP loss records each step, zero where no micro-batch reached it (a
+    rank may run none), since megatron-core's reduction is a collective. The totals are reset.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    recorded = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            log = getattr(module, _LOG_ATTRIBUTE, None) if isinstance(module, TopKRouter) else None
+            if not log:
+                continue
+            config = module.config
+            with_tp = getattr(config, "sequence_parallel", False) and \
+                parallel_state.get_tensor_model_parallel_world_size() > 1
+            group = (parallel_state.get_tensor_and_data_parallel_group() if with_tp
+                     else parallel_state.get_data_parallel_group())
+            num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+            for name, value in log.items():
+                if value is None:  # no micro-batch reached this router: it still takes part
+                    value = torch.zeros((), device=module.weight.device)
+                save_to_aux_losses_tracker(name, value * scale, module.layer_number, num_layers,
+                                           reduce_group=group, reduce_group_has_dp=True)
+                recorded += 1
+                log[name] = None
+    return recorded
 
 
 def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_function: str,
                   aux_coeff: float, z_coeff: float, hdp: Optional[Any] = None,
                   row_offset: int = 0, tp_group: Optional[Any] = None) -> torch.Tensor:
-    """This micro-batch's share of the HDP router losses, as a *sum* (never averaged here).
+    """This micro-batch's share of the HDP router losses, as a *sum*: the load-balancing and
+    z-loss parts of :func:`router_loss_parts` added."""
+    aux, z = router_loss_parts(logits, layout, topk=topk, score_function=score_function,
+                               aux_coeff=aux_coeff, z_coeff=z_coeff, hdp=hdp,
+                               row_offset=row_offset, tp_group=tp_group)
+    return aux + z
+
+
+def router_loss_parts(logits: torch.Tensor, layout: Any, *, topk: int, score_function: str,
+                      aux_coeff: float, z_coeff: float, hdp: Optional[Any] = None,
+                      row_offset: int = 0, tp_group: Optional[Any] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This micro-batch's share of the HDP router losses, as *sums* (never averaged here):
+    ``(load-balancing part, z-loss part)``, each with its coefficient.
 
     ``logits`` are the router's ``[rows, experts]`` logits of the micro-batch in ``layout``'s
     buffer order. Load balancing: for every slot (document), megatron-core's switch loss over
@@ -217,7 +294,8 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
     )
 
     experts = logits.size(-1)
-    total = logits.new_zeros((), dtype=torch.float32)
+    z_total = logits.new_zeros((), dtype=torch.float32)
+    aux_total = logits.new_zeros((), dtype=torch.float32)
     held = logits.size(0)
     real = []  # each slot's real rows held here, as indices into ``logits``
     for s in layout.slots:
@@ -227,7 +305,7 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
     if z_coeff and layout.slots:
         rows = torch.cat(real)
         if rows.numel():
-            total = total + z_loss_func(logits[rows], z_coeff) * rows.numel()
+            z_total = z_total + z_loss_func(logits[rows], z_coeff) * rows.numel()
     if aux_coeff and layout.slots:
         routing_map, scores = compute_routing_scores_for_aux_loss(logits, topk, score_function)
         counts = torch.stack([routing_map[r].sum(dim=0) for r in real]).to(torch.float32)
@@ -241,8 +319,8 @@ def router_losses(logits: torch.Tensor, layout: Any, *, topk: int, score_functio
             aux = switch_load_balancing_loss_func(
                 probs=scores[r], tokens_per_expert=counts[index], total_num_tokens=slot.length,
                 topk=topk, num_experts=experts, moe_aux_loss_coeff=aux_coeff)
-            total = total + aux * slot.length
-    return total
+            aux_total = aux_total + aux * slot.length
+    return aux_total, z_total
 
 
 def tp_sum(tensor: torch.Tensor, tp_group: Any) -> torch.Tensor:

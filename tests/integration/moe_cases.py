@@ -13,6 +13,9 @@ HDP: 4 HDP ranks (TP = PP = EP = 1), 4 experts, top-2, on
   and a rank with no micro-batch at all;
 * the balance scheduler's plan of the same documents.
 Each rank compares every reduced gradient (experts and router included) with the reference.
+After each step with router losses, the values Megatron-LM would log for them (recorded as
+the Megatron-LM step does, reduced by megatron-core's own tracker) are compared with what
+megatron-core logs for each document alone, averaged over the documents by their tokens.
 Two negative controls run the manual plan with a deliberate bug (megatron-core's own
 per-micro-batch router losses; a ring's expert counts not summed) to show the checks see it.
 """
@@ -56,29 +59,66 @@ def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall", **o
     )  # fmt: skip
 
 
+LOG_NAMES = ["load_balancing_loss", "z_loss"]
+
+
 def moe_reference(config, state, sequences) -> tuple[float, dict[str, torch.Tensor]]:
     """megatron-core alone: every document on its own, per-token loss and router losses."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    model = GPTModel(config=config,
-                     transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
-                     vocab_size=VOCAB, max_sequence_length=CONTEXT, position_embedding_type="rope")
-    model.load_state_dict(state)
+    model = reference_model(config, state)
     loss_tokens = sum(len(s) - 1 for s in sequences)
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / loss_tokens))  # as schedules do
     total = torch.zeros([])
     for seq in sequences:
-        tokens = torch.as_tensor(seq, dtype=torch.long)[None]
-        labels = torch.zeros_like(tokens)
-        labels[0, :-1] = tokens[0, 1:]
+        tokens, labels = tokens_and_labels(seq)
         losses = model(tokens, torch.arange(tokens.shape[1])[None], None, labels=labels)
         total = total + losses[0, :-1].sum()
     loss = total / loss_tokens
     loss.backward()
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def moe_reference_log(config, state, sequences) -> dict[str, float]:
+    """What megatron-core logs for the router losses of each document alone (read from its MoE
+    log tracker after each document's forward), averaged over the documents weighted by their
+    tokens and over the layers: the HDP definition of the logged values (docs/moe.md)."""
+    from megatron_bytescale.integration.compat import clear_moe_log_tracker, moe_log_tracker_values
+
+    model = reference_model(config, state)
+    logged = {name: torch.zeros(config.num_layers, dtype=torch.float64) for name in LOG_NAMES}
+    for seq in sequences:
+        tokens, labels = tokens_and_labels(seq)
+        clear_moe_log_tracker()
+        model(tokens, torch.arange(tokens.shape[1])[None], None, labels=labels)
+        for name in LOG_NAMES:
+            values = moe_log_tracker_values(name)
+            if values is not None:
+                logged[name] += values.detach().double() * len(seq)
+    clear_moe_log_tracker()
+    tokens = sum(len(s) for s in sequences)
+    return {name: float(v.sum()) / tokens / config.num_layers for name, v in logged.items()}
+
+
+def reference_model(config, state):
+    """megatron-core's own GPT with its own local MoE spec, holding ``state``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(config=config,
+                     transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
+                     vocab_size=VOCAB, max_sequence_length=CONTEXT, position_embedding_type="rope")
+    model.load_state_dict(state)
+    return model
+
+
+def tokens_and_labels(seq) -> tuple[torch.Tensor, torch.Tensor]:
+    """One document as a batch of one, with its next-token labels (the last one unused)."""
+    tokens = torch.as_tensor(seq, dtype=torch.long)[None]
+    labels = torch.zeros_like(tokens)
+    labels[0, :-1] = tokens[0, 1:]
+    return tokens, labels
 
 
 def manual_plan():
@@ -122,10 +162,13 @@ def moe_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 0:
         references[0] = {name: moe_reference(moe_config(**c), state, sequences)
                          for name, c in configs.items()}
+        references[0]["log"] = moe_reference_log(moe_config(**configs["aux"]), state, sequences)
     dist.broadcast_object_list(references, src=0)
     references = references[0]
+    reference_log = references.pop("log")
     out: dict[str, Any] = {"rank": rank, "hdp_size": manager.size,
-                           "reference_loss": {k: v[0] for k, v in references.items()}}
+                           "reference_loss": {k: v[0] for k, v in references.items()},
+                           "reference_log": reference_log}
     if rank == 0:  # the aux loss must change the router's gradient, or the test proves nothing
         router = [n for n in references["aux"][1] if "router" in n]
         out["aux_effect"] = max(relative_error(references["aux"][1][n], references["aux 0"][1][n])
@@ -140,6 +183,7 @@ def moe_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     # negative controls (the checks must catch them): megatron-core's own router losses over
     # each micro-batch instead of per document, and a ring member's counts left unsummed
     from megatron_bytescale.integration import moe
+    from megatron_bytescale.integration.compat import clear_moe_log_tracker, report_moe_log
 
     controls = {
         "control: megatron's per-micro-batch aux": ("install_hdp_router_losses", lambda m: 0),
@@ -161,7 +205,14 @@ def moe_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             ddp, optimizer = wrap_for_hdp(model, lr=1e-3)
             step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
             grads = grab_grads_before_step(ddp, optimizer)
+            clear_moe_log_tracker()
             record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
+            # what Megatron-LM's log line would show: the step's values through megatron-core's
+            # own reduction (as hdp_forward_backward records them, with one micro-batch nominal)
+            log = {}
+            if name in runs and case == "aux":
+                moe.record_router_loss_logs(ddp, scale=1.0 / step.total_tokens)
+                log = report_moe_log(LOG_NAMES, num_layers=config.num_layers)
         finally:
             if saved is not None:
                 setattr(moe, *saved)
@@ -172,6 +223,7 @@ def moe_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "names_match": set(grads) == set(ref),
+            "log": log,
             "grad_errors": {n: relative_error(grads[n], ref[n]) for n in ref if n in grads},
         }
     parallel_state.destroy_model_parallel()

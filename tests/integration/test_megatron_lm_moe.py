@@ -52,6 +52,11 @@ def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tm
     rings = [int(r.split("x")[0]) for line in summaries
              for r in re.search(r"\| rings ([\dx ]+) \|", line).group(1).split()]
     assert max(rings) == 2, summaries  # documents longer than the capacity ran on a ring
+    # Megatron's own log of the router losses: the HDP values, not the zeros of routers whose
+    # own loss paths HDP switches off (their exact value is checked in test_moe_training.py)
+    for name in ("load_balancing_loss", "z_loss"):
+        logged = [float(x) for x in re.findall(name + r": (\S+) \|", run.stdout)]
+        assert len(logged) == 3 and all(0 < x < 100 for x in logged), (name, logged)
 
 
 def test_mixtral_example_is_refused_only_for_its_expert_parallel_size(patched_megatron_lm,

@@ -238,6 +238,8 @@ def test_patched_pretrain_gpt_resumes_from_a_checkpoint(patched_megatron_lm, pre
         assert abs(a - b) / abs(a) <= TOLERANCE
 
 
+@pytest.mark.one_lane(reason="the Ray actors plan and read the same HDP steps with any megatron-core; "
+                      "the data path they feed is checked on both lanes by the local loader's runs")
 def test_the_ray_loader_trains_as_the_local_one(patched_megatron_lm, pretrain_runs, tmp_path):
     """``--bytescale-dataloader ray`` through the patched pretrain_gpt.py on 2 ranks: rank 0
     starts a Ray instance and the actors, rank 1 joins them; every loss (training with the

@@ -48,6 +48,21 @@ def test_moe_gradients_equal_megatron_alone(results, run):
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
 
 
+@pytest.mark.parametrize("run", ["manual allgather aux", "balance alltoall aux"])
+def test_the_logged_router_losses_are_the_documents_own_weighted_by_tokens(results, run):
+    """Megatron-LM's ``load_balancing_loss`` / ``z_loss`` log values under HDP: the mean over
+    the global batch's documents, weighted by their tokens, of what megatron-core logs for a
+    document alone; the same on every rank, whatever the plan."""
+    reference = results[0]["reference_log"]
+    assert set(reference) == {"load_balancing_loss", "z_loss"}
+    assert all(v > 0 for v in reference.values())
+    for r in results:
+        log = r["runs"][run]["log"]
+        assert set(log) == set(reference), log
+        for name, value in reference.items():
+            assert abs(log[name] - value) / value <= TOLERANCE, (r["rank"], name, log[name], value)
+
+
 @pytest.mark.parametrize("control", ["control: megatron's per-micro-batch aux",
                                      "control: ring counts not summed"])
 def test_the_gradient_check_catches_plan_dependent_router_losses(results, control):
