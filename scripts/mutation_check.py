@@ -425,6 +425,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "already meets its target or its 2 % aim), so how many passes run cannot change the plan"),
     ("*balance.x_dp_balance__*", r"if n else|if \(n\)", "n >= 1 always (make_plan refuses hdp_size < 1)"),
     ("*dp_balance.x_makespan__*", r"if n else", "n >= 1 always (make_plan refuses hdp_size < 1)"),
+    ("*dp_balance.x__place_ring__*", r"fewest_nodes\(len\(picked\), earliest=start\)  ->  .*fewest_nodes\(len\(picked\), \)",
+     "earliest only lets a compact ring that starts at the load-only start skip the search on "
+     "more nodes; no ring starts before that start, so the search cannot return an earlier one"),
     ("*balance.x_dp_balance__*", r"timed\.sort\(key=lambda x: \(x\[0\], x\[1\]\)\)  ->  timed\.sort\(key=None\)",
      "tuples (start, index, placement) sort by (start, index) anyway: indices are unique"),
     ("*widen.x__ring_grid__*", r"dtype=np.int64", "np.array of Python ints is int64 already"),

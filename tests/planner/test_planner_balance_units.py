@@ -163,3 +163,20 @@ def test_a_widening_that_raises_the_work_bound_is_refused():
     units = [unit(0, 1000), unit(1, 500)]
     assert costly.unit_time([1000], 2, 0.0) == pytest.approx(0.8)
     assert widen_for_balance(list(units), costly, 2) == (units, 0)
+
+
+def test_makespan_starts_a_ring_when_all_its_members_are_free():
+    """The fill candidate is ranked by ``makespan``: a single on rank 1 (0.3 s), then a ring of
+    2 on ranks 0 and 1 (0.5 s each, starting at 0.3 when rank 1 is free), then a single on
+    rank 0 (0.2 s): 0.3 + 0.5 + 0.2 = 1.0 s; charging the ring on one member only, or like a
+    single, gives less."""
+    from megatron_bytescale.planner.schedulers.dp_balance import makespan
+    from megatron_bytescale.planner.schedulers._common import placement
+
+    a, r, b = unit(0, 300), unit(1, 1000, ring=2), unit(2, 200)
+    placements = [placement((1,), a.seqs, 0.0), placement((0, 1), r.seqs, 0.0),
+                  placement((0,), b.seqs, 0.0)]
+    assert r.time == pytest.approx(0.5)
+    assert makespan(placements, [a, r, b], ctx(2), 2) == pytest.approx(1.0)
+    assert makespan(placements[:2], [a, r], ctx(3), 3) == pytest.approx(0.8)
+    assert makespan([], [], ctx(2), 2) == 0.0

@@ -80,3 +80,53 @@ def test_balance_with_offload_is_never_slower_than_without_or_than_naive():
             assert on.meta["offload_choice"] == "no-offload", on.meta
         seen["pp"] += pp > 1
     assert seen["offloads"] >= 3 and seen["declines"] >= 3 and seen["pp"] >= 10 and seen["budget"] >= 2, seen
+
+
+# ----------------------------------------------------------------- the unit sets, by hand
+# ``unit_options`` hands ``balance`` its candidate unit sets. Each case below is small enough to
+# know its answer: which sets, under which name and context, with which rings and ratios.
+
+def _request(lengths, hdp, capacity, offload, fast_host=True):
+    from megatron_bytescale.planner.schedulers._common import build_request
+
+    host = dict(d2h_bandwidth=1e10, h2d_bandwidth=1e10) if fast_host else {}
+    return build_request(lengths, hdp_size=hdp, capacity=capacity, cost_model=small_cost_model(**host),
+                         pp_size=1, offload=offload, overlong="error", align=1, context_length=None,
+                         delta=0.05, num_buckets=4)
+
+
+def _options(request):
+    from megatron_bytescale.planner.schedulers.selective import unit_options
+
+    out = []
+    for name, ctx, units in unit_options(request):
+        seqs = sorted(s for u in units for s in u.seqs)
+        assert seqs == list(request.ids), f"{name}: every sequence once, got {seqs}"
+        out.append((name, ctx.offload, sorted((u.seqs, u.ring_size, u.offload_ratio > 0) for u in units)))
+    return out
+
+
+def test_one_set_when_eq3_offloads_nothing_named_for_the_mode():
+    short = [100, 200, 50]  # all below the capacity: packs only
+    assert _options(_request(short, 4, 256, offload=True)) == [
+        ("eq3", True, [((0,), 1, False), ((1, 2), 1, False)])]
+    # offload off: one set, the offload-free one, under the offload-off context
+    assert _options(_request([2000, 100], 8, 256, offload=False)) == [
+        ("no-offload", False, [((0,), 8, False), ((1,), 1, False)])]
+
+
+def test_two_sets_when_the_offload_free_ring_fits_the_ranks_exactly():
+    # 2048 tokens at capacity 256 need a ring of exactly the 8 HDP ranks without offload (it
+    # fits, so it is a choice), or Eq. 3's ring of 2 with offload
+    assert _options(_request([2048, 50], 8, 256, offload=True)) == [
+        ("no-offload", False, [((0,), 8, False), ((1,), 1, False)]),
+        ("eq3", True, [((0,), 2, True), ((1,), 1, False)]),
+    ]
+
+
+def test_a_sequence_that_only_offload_fits_keeps_its_eq3_ring_and_one_set_remains():
+    # 3000 tokens would need 12 > 8 ranks without offload: both sets hold Eq. 3's ring, so they
+    # are one set, planned under the offload context; a sequence of exactly the capacity (256)
+    # is a ring unit of one rank in both
+    assert _options(_request([3000, 100, 256, 40], 8, 256, offload=True)) == [
+        ("no-offload", True, [((0,), 3, True), ((1, 3), 1, False), ((2,), 1, False)])]

@@ -89,17 +89,16 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
 
 
-def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext,
-                eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...], float]:
+def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext
+                ) -> tuple[float, tuple[int, ...], float]:
     """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks when they already
     sit on the fewest nodes (then no compact ring starts earlier), else
-    :meth:`.placement.RingPlacer.fewest_nodes` among the ``eligible`` ranks (see
-    :func:`dp_balance`)."""
+    :meth:`.placement.RingPlacer.fewest_nodes` over all ranks (see :func:`dp_balance`)."""
     ring = placer.topology.node_contiguous(picked)
     start = float(placer.loads[list(ring)].max())
     if not placer.spans_min_nodes(ring):
-        choice = placer.fewest_nodes(len(picked), eligible, earliest=start)
-        if choice is not None:  # None only if fewer than len(picked) ranks are eligible
+        choice = placer.fewest_nodes(len(picked), earliest=start)
+        if choice is not None:  # None only if there are fewer than len(picked) ranks
             return choice[0], choice[1], ctx.placed_time(u, choice[1])
     return start, ring, ctx.placed_time(u, ring)
 
