@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_bytescale.runtime.layout import empty_micro_batch
+
 from .busy_clock import MicroBatchTiming
 from .chunk_schedule import share_chunk_prefixes, stage_ops
 from .compat import megatron_backward_step, megatron_forward_step
@@ -99,9 +101,10 @@ def run_pipeline_micro_batches(
     check_plan_pipeline(step, rank_map.pp_size)
     pp, stage = rank_map.pp_size, rank_map.pp_rank
     first, last = rank_map.is_first_stage, rank_map.is_last_stage
-    count = step.num_micro_batches
+    count = pipeline_slots(step, manager)
     # 1F1B; the chunks of a split micro-batch run their backwards reversed (chunk_schedule)
-    ops = [op for op in stage_ops(step, pp, stage) if not (forward_only and op[0] == "B")]
+    ops = [op for op in stage_ops(step, pp, stage, count)
+           if not (forward_only and op[0] == "B")]
 
     # shapes come from the plan (see the module docstring), so no shape exchange
     comm_config = copy.copy(config)
@@ -111,10 +114,14 @@ def run_pipeline_micro_batches(
     builder = step.micro_batch_tensors()
     tensors: list["MicroBatchTensors"] = []
     prefixes: dict[int, dict] = {}  # kept K/V per split micro-batch, alive across its chunks
+    device = next((param.device for param in model.parameters()), torch.device("cpu"))
 
     def micro_batch(i: int) -> "MicroBatchTensors":
         while len(tensors) <= i:
-            tensors.append(share_chunk_prefixes(next(builder), prefixes))
+            if len(tensors) < step.num_micro_batches:
+                tensors.append(share_chunk_prefixes(next(builder), prefixes))
+            else:  # an empty slot of this pipeline's expert group (see pipeline_slots)
+                tensors.append(empty_micro_batch(manager.hdp, device=device))
         return tensors[i]
 
     def shape(i: int) -> tuple[int, int, int]:
@@ -126,7 +133,6 @@ def run_pipeline_micro_batches(
     records = [MicroBatchTiming() for _ in range(count)]
     traffic: dict[int, Any] = {}
     forward_data_store: list = []
-    device = next((param.device for param in model.parameters()), torch.device("cpu"))
     local_tokens = torch.zeros([], dtype=torch.int, device=device)
     inputs: dict[int, Optional[torch.Tensor]] = {}
     outputs: dict[int, torch.Tensor] = {}
@@ -142,7 +148,7 @@ def run_pipeline_micro_batches(
         for k, (phase, i) in enumerate(ops):
             mb = micro_batch(i)
             if phase == "F":
-                if counters is not None:
+                if counters is not None and i < step.num_micro_batches:  # not an empty slot
                     traffic[i] = counters.start_micro_batch(mb.order)
                 with records[i].timed(), micro_batch_scope(  # chunks are not offloaded
                     manager, mb, counters, phase="forward",
@@ -174,7 +180,7 @@ def run_pipeline_micro_batches(
             else:
                 received, grad_in = _after_backward(p2p, grad_out, following, shape, first, last)
 
-    out = []
+    out = []  # empty slots carry no tokens and leave no record
     for i, planned in enumerate(step.micro_batches):
         if i >= len(tensors):
             break
@@ -185,6 +191,31 @@ def run_pipeline_micro_batches(
             busy_s=records[i].busy_s, wall_s=records[i].wall_s,
         ))  # fmt: skip
     return out, local_tokens, forward_data_store
+
+
+def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
+    """How many micro-batches this pipeline runs: its own, then empty ones up to the busiest
+    pipeline of its expert group (``planner.plan.expert_slots``; its own count at EP 1).
+
+    With expert parallelism every stage's MoE layers meet the same stage of the other
+    pipelines of the expert group in an all-to-all, in every forward and backward. All of
+    them run 1F1B over the same number of slots, so every stage issues the same sequence of
+    forwards and backwards, and slot ``i`` meets slot ``i``. A split micro-batch (chunks) would
+    reorder one pipeline's backwards and not the others', so such plans are refused with EP.
+    """
+    from .schedule import check_plan_experts
+
+    slots = check_plan_experts(step, manager)
+    if manager.ep_size > 1:
+        split = sorted({mb.order - mb.chunk[0] for mb in step.micro_batches if mb.chunk is not None})
+        if split:
+            raise ValueError(
+                f"step {step.index}: the plan splits ring micro-batches (orders {split[:5]}) into "
+                f"chunks, which --expert-model-parallel-size {manager.ep_size} does not run (the "
+                "pipelines of an expert group must run their backwards in the same order); plan "
+                "without chunks (no --bytescale-seq-split)"
+            )
+    return slots
 
 
 def _after_forward(p2p, output, following, shape, first: bool, last: bool):

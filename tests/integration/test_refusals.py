@@ -19,8 +19,9 @@ from megatron_bytescale.testing import cpu_compat
         (dict(virtual_pipeline_model_parallel_size=2), "interleaved pipeline stages"),
         (dict(expert_model_parallel_size=3), "--expert-model-parallel-size 3 does not divide the "
                                              "8 HDP ranks"),
-        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
-         "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2"),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+              virtual_pipeline_model_parallel_size=2),
+         "--expert-model-parallel-size 2 with --virtual-pipeline-model-parallel-size 2"),
         (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
         (dict(tensor_model_parallel_size=4, num_attention_heads=6),
          "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
@@ -47,6 +48,9 @@ def test_layout_serves_expert_parallelism_that_divides_the_hdp_ranks():
     assert HDPParallelLayout(world_size=8, expert_model_parallel_size=8).hdp_size == 8
     assert HDPParallelLayout(world_size=8, tensor_model_parallel_size=2,
                              expert_model_parallel_size=2).hdp_size == 4
+    # with pipeline stages: expert groups of the pipelines at one stage (Mixtral's PP 4 x EP 8)
+    assert HDPParallelLayout(world_size=32, pipeline_model_parallel_size=4,
+                             expert_model_parallel_size=8).hdp_size == 8
 
 
 def test_layout_serves_tensor_and_pipeline_parallelism():
