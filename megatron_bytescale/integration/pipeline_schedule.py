@@ -29,6 +29,16 @@ smaller numbers, and the ops with the smallest number not yet run can always run
 waits in a cycle. ``tests/integration/test_pp_training.py`` runs random PP-Balance plans
 through this driver to check it.
 
+**Expert parallelism.** The pipelines of an expert group (E consecutive HDP ranks) meet at
+every stage in the MoE all-to-alls of every forward and backward. They all run 1F1B over the
+same number of micro-batches, the busiest member's (:func:`pipeline_slots`); a pipeline with
+fewer runs empty micro-batches after its own (``runtime.layout.empty_micro_batch``: one padding
+token, loss mask 0, no attention slot) through all its stages, so every stage of every member
+issues the same sequence of ops and slot ``i`` meets slot ``i``. The numbering above covers
+the all-to-alls like the rings (all members' F(i) at stage s carry the same number). An empty
+slot carries no loss token, adds no router loss and leaves no record; the loss and gradients
+are scaled by the global loss-token count as always, so it changes nothing.
+
 **Shapes without a host sync.** Every stage knows every micro-batch's token count from the
 plan, so the receive buffers are sized locally (``[rows / TP if SP, 1, hidden]``) and Megatron's
 per-message shape exchange (``variable_seq_lengths``) is not used.

@@ -1,10 +1,11 @@
 """A small Mixtral-style MoE trains through the patched Megatron-LM ``pretrain_gpt.py`` (HDP).
 
-One run on 2 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
+One run on 4 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
 ``megatron_bytescale.testing.megatron_lm``): 4 experts, top-2, the all-to-all dispatcher,
-SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, expert
-parallelism 2 (both HDP ranks form one expert group, two experts each). Megatron's own loop
-runs the steps; the HDP summary line is in the log.
+SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, pipeline
+parallelism 2 and expert parallelism 2 (at each stage both pipelines form one expert group, two
+experts each; a pipeline with fewer micro-batches runs empty ones through its stages). Megatron's
+own loop runs the steps; the HDP summary line is in the log.
 The gradients themselves are checked against megatron-core in ``test_moe_training.py``.
 
 Megatron's own ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (PP 4, EP 8) with the
@@ -41,8 +42,9 @@ MIXTRAL_STYLE = ["--num-experts", "4", "--moe-router-topk", "2",
 def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tmp_path):
     write_indexed_dataset(tmp_path / "text_document", random_documents(7, 120, vocab=255))
     flags = [*PRETRAIN, *MIXTRAL_STYLE, "--expert-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2",
              "--data-path", str(tmp_path / "text_document"), "--split", "98,1,1"]
-    run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=2, cwd=tmp_path)
+    run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=4, cwd=tmp_path)
     assert run.returncode == 0, run.tail()
     losses = _losses(run.stdout)
     assert len(losses) == 3 and all(x == x and 0 < x < 20 for x in losses), losses
