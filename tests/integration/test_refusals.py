@@ -137,3 +137,26 @@ def test_moe_settings_without_a_placement_independent_meaning_are_refused(change
     with pytest.raises(ValueError, match=re.escape(flag)) as info:
         check_moe_config(TransformerConfig(**{**settings, **changes}))
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))
+
+
+def test_expert_parallel_drivers_refuse_what_they_cannot_keep_in_step():
+    """The drivers refuse, before anything runs, interleaved stages with EP (a list of model
+    chunks) and a plan with split ring micro-batches at PP x EP: both would let the pipelines of
+    an expert group run their all-to-alls in different orders."""
+    from types import SimpleNamespace
+
+    from megatron_bytescale.integration.pipeline_schedule import pipeline_slots
+    from megatron_bytescale.integration.schedule import run_micro_batches
+
+    manager = SimpleNamespace(ep_size=2)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 does not run with "
+                                         "interleaved pipeline stages"):
+        run_micro_batches(None, model=[torch.nn.Linear(1, 1)] * 2, config=None, manager=manager)
+    chunk = SimpleNamespace(order=3, chunk=(0, 2))
+    plan = SimpleNamespace(ep_size=2, ranks=[SimpleNamespace(micro_batches=[chunk])] * 2)
+    step = SimpleNamespace(plan=plan, hdp_rank=0, index=7, micro_batches=[chunk],
+                           num_micro_batches=1)
+    with pytest.raises(ValueError, match=r"step 7: the plan splits ring micro-batches \(orders "
+                                         r"\[3\]\) into chunks, which --expert-model-parallel-size 2"):
+        pipeline_slots(step, manager)
+    assert pipeline_slots(SimpleNamespace(**{**vars(step), "micro_batches": []}), manager) == 1
