@@ -40,9 +40,12 @@ def chunk_groups(step: "HDPStep") -> dict[int, int]:
     return {i: mb.order - mb.chunk[0] for i, mb in enumerate(step.micro_batches) if mb.chunk is not None}
 
 
-def stage_ops(step: "HDPStep", pp: int, stage: int) -> list[tuple[str, int]]:
-    """This stage's ``("F" | "B", local index)`` ops: 1F1B, each chunk group's backwards reversed."""
-    count = step.num_micro_batches
+def stage_ops(step: "HDPStep", pp: int, stage: int, count: int | None = None) -> list[tuple[str, int]]:
+    """This stage's ``("F" | "B", local index)`` ops: 1F1B, each chunk group's backwards reversed.
+
+    ``count``: micro-batches to run (default the pipeline's own; more with expert parallelism,
+    whose empty slots follow them and are never chunks)."""
+    count = step.num_micro_batches if count is None else count
     groups = chunk_groups(step)
     if not groups:
         return pipeline_ops(count, pp, stage)

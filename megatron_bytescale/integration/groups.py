@@ -114,12 +114,13 @@ class HDPParallelLayout:
         ep = self.expert_model_parallel_size
         if ep < 1:
             reasons.append(f"--expert-model-parallel-size ({ep}) must be >= 1")
-        elif ep > 1 and self.pipeline_model_parallel_size > 1:
+        elif (ep > 1 and self.pipeline_model_parallel_size > 1
+              and self.virtual_pipeline_model_parallel_size not in (None, 1)):
             reasons.append(
-                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size "
-                f"{self.pipeline_model_parallel_size} cannot be combined with --bytescale-hdp: "
-                "expert parallelism under HDP is checked without pipeline stages; run with "
-                "--expert-model-parallel-size 1 or --pipeline-model-parallel-size 1"
+                f"--expert-model-parallel-size {ep} with --virtual-pipeline-model-parallel-size "
+                f"{self.virtual_pipeline_model_parallel_size} cannot be combined with "
+                "--bytescale-hdp: expert parallelism runs with plain 1F1B pipeline stages; run "
+                "without virtual stages or with --expert-model-parallel-size 1"
             )
         tp = self.tensor_model_parallel_size
         for flag, count in (

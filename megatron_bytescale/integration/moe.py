@@ -30,9 +30,11 @@ Refused (each message names its flag): token dropping (``--moe-expert-capacity-f
 tokens an expert drops depends on the micro-batch), the sequence-level and global-batch
 aux-loss types and Sinkhorn routing (their groups assume Megatron's static DP x CP
 micro-batches), expert bias and input jitter (they count or perturb padding rows), expert
-parallelism > 1 (``HDPParallelLayout``), an expert tensor-parallel size other than the TP
-size, and TP and PP together (MoE gradients are checked against megatron-core at TP 2 with
-sequence parallelism and at PP 2, not in these layouts).
+parallelism that does not divide the HDP ranks or runs with virtual pipeline stages
+(``HDPParallelLayout``), the all-gather dispatcher with expert parallelism, an expert
+tensor-parallel size other than the TP size, and TP and PP together (MoE gradients are checked
+against megatron-core at TP 2 with sequence parallelism and at PP 2, each at EP 1 and 2, not
+in these layouts).
 
 With sequence parallelism (which megatron-core requires for MoE with TP) a TP rank routes only
 its share of a micro-batch's rows; the per-expert counts of a document are then summed over

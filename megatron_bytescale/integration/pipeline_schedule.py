@@ -29,6 +29,16 @@ smaller numbers, and the ops with the smallest number not yet run can always run
 waits in a cycle. ``tests/integration/test_pp_training.py`` runs random PP-Balance plans
 through this driver to check it.
 
+**Expert parallelism.** The pipelines of an expert group (E consecutive HDP ranks) meet at
+every stage in the MoE all-to-alls of every forward and backward. They all run 1F1B over the
+same number of micro-batches, the busiest member's (:func:`pipeline_slots`); a pipeline with
+fewer runs empty micro-batches after its own (``runtime.layout.empty_micro_batch``: one padding
+token, loss mask 0, no attention slot) through all its stages, so every stage of every member
+issues the same sequence of ops and slot ``i`` meets slot ``i``. The numbering above covers
+the all-to-alls like the rings (all members' F(i) at stage s carry the same number). An empty
+slot carries no loss token, adds no router loss and leaves no record; the loss and gradients
+are scaled by the global loss-token count as always, so it changes nothing.
+
 **Shapes without a host sync.** Every stage knows every micro-batch's token count from the
 plan, so the receive buffers are sized locally (``[rows / TP if SP, 1, hidden]``) and Megatron's
 per-message shape exchange (``variable_seq_lengths``) is not used.
@@ -48,6 +58,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from megatron_bytescale.runtime.layout import empty_micro_batch
 
 from .busy_clock import MicroBatchTiming
 from .chunk_schedule import share_chunk_prefixes, stage_ops
@@ -99,9 +111,10 @@ def run_pipeline_micro_batches(
     check_plan_pipeline(step, rank_map.pp_size)
     pp, stage = rank_map.pp_size, rank_map.pp_rank
     first, last = rank_map.is_first_stage, rank_map.is_last_stage
-    count = step.num_micro_batches
+    count = pipeline_slots(step, manager)
     # 1F1B; the chunks of a split micro-batch run their backwards reversed (chunk_schedule)
-    ops = [op for op in stage_ops(step, pp, stage) if not (forward_only and op[0] == "B")]
+    ops = [op for op in stage_ops(step, pp, stage, count)
+           if not (forward_only and op[0] == "B")]
 
     # shapes come from the plan (see the module docstring), so no shape exchange
     comm_config = copy.copy(config)
@@ -111,10 +124,14 @@ def run_pipeline_micro_batches(
     builder = step.micro_batch_tensors()
     tensors: list["MicroBatchTensors"] = []
     prefixes: dict[int, dict] = {}  # kept K/V per split micro-batch, alive across its chunks
+    device = next((param.device for param in model.parameters()), torch.device("cpu"))
 
     def micro_batch(i: int) -> "MicroBatchTensors":
         while len(tensors) <= i:
-            tensors.append(share_chunk_prefixes(next(builder), prefixes))
+            if len(tensors) < step.num_micro_batches:
+                tensors.append(share_chunk_prefixes(next(builder), prefixes))
+            else:  # an empty slot of this pipeline's expert group (see pipeline_slots)
+                tensors.append(empty_micro_batch(manager.hdp, device=device))
         return tensors[i]
 
     def shape(i: int) -> tuple[int, int, int]:
@@ -126,7 +143,6 @@ def run_pipeline_micro_batches(
     records = [MicroBatchTiming() for _ in range(count)]
     traffic: dict[int, Any] = {}
     forward_data_store: list = []
-    device = next((param.device for param in model.parameters()), torch.device("cpu"))
     local_tokens = torch.zeros([], dtype=torch.int, device=device)
     inputs: dict[int, Optional[torch.Tensor]] = {}
     outputs: dict[int, torch.Tensor] = {}
@@ -142,7 +158,7 @@ def run_pipeline_micro_batches(
         for k, (phase, i) in enumerate(ops):
             mb = micro_batch(i)
             if phase == "F":
-                if counters is not None:
+                if counters is not None and i < step.num_micro_batches:  # not an empty slot
                     traffic[i] = counters.start_micro_batch(mb.order)
                 with records[i].timed(), micro_batch_scope(  # chunks are not offloaded
                     manager, mb, counters, phase="forward",
@@ -174,7 +190,7 @@ def run_pipeline_micro_batches(
             else:
                 received, grad_in = _after_backward(p2p, grad_out, following, shape, first, last)
 
-    out = []
+    out = []  # empty slots carry no tokens and leave no record
     for i, planned in enumerate(step.micro_batches):
         if i >= len(tensors):
             break
@@ -185,6 +201,31 @@ def run_pipeline_micro_batches(
             busy_s=records[i].busy_s, wall_s=records[i].wall_s,
         ))  # fmt: skip
     return out, local_tokens, forward_data_store
+
+
+def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
+    """How many micro-batches this pipeline runs: its own, then empty ones up to the busiest
+    pipeline of its expert group (``planner.plan.expert_slots``; its own count at EP 1).
+
+    With expert parallelism every stage's MoE layers meet the same stage of the other
+    pipelines of the expert group in an all-to-all, in every forward and backward. All of
+    them run 1F1B over the same number of slots, so every stage issues the same sequence of
+    forwards and backwards, and slot ``i`` meets slot ``i``. A split micro-batch (chunks) would
+    reorder one pipeline's backwards and not the others', so such plans are refused with EP.
+    """
+    from .schedule import check_plan_experts
+
+    slots = check_plan_experts(step, manager)
+    if manager.ep_size > 1:
+        split = sorted({mb.order - mb.chunk[0] for mb in step.micro_batches if mb.chunk is not None})
+        if split:
+            raise ValueError(
+                f"step {step.index}: the plan splits ring micro-batches (orders {split[:5]}) into "
+                f"chunks, which --expert-model-parallel-size {manager.ep_size} does not run (the "
+                "pipelines of an expert group must run their backwards in the same order); plan "
+                "without chunks (no --bytescale-seq-split)"
+            )
+    return slots
 
 
 def _after_forward(p2p, output, following, shape, first: bool, last: bool):

@@ -400,6 +400,10 @@ def _run_interleaved(step: "HDPStep", *, model: Any, config: Any, manager: HDPGr
     """A list of model chunks: interleaved pipeline stages (:mod:`.pipeline_interleaved`)."""
     from .pipeline_interleaved import run_interleaved_micro_batches
 
+    if getattr(manager, "ep_size", 1) > 1:
+        raise ValueError(f"--expert-model-parallel-size {manager.ep_size} does not run with interleaved "
+                         "pipeline stages (--virtual-pipeline-model-parallel-size) under HDP; train "
+                         "without virtual stages or with --expert-model-parallel-size 1")
     if offloader is not None:
         raise ValueError("activation offload does not run with interleaved pipeline stages "
                          "(--virtual-pipeline-model-parallel-size); turn off --bytescale-offload or "

@@ -248,6 +248,10 @@ class _CudaDeviceToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.distributed.all_gather and _uneven(args, kwargs, "tensor_list"):
+            return _uneven_all_gather(*args, **kwargs)
+        if func is torch.distributed.reduce_scatter and _uneven(args, kwargs, "input_list", 1):
+            return _uneven_reduce_scatter(*args, **kwargs)
         if func is torch.distributed.all_to_all_single:
             # megatron-core's all-to-all dispatcher turns its split sizes into numpy arrays only
             # when they come from a GPU (``maybe_move_tensor_to_cpu``); on the CPU they stay
@@ -255,3 +259,40 @@ class _CudaDeviceToCpu(TorchFunctionMode):
             kwargs = {k: (v.tolist() if torch.is_tensor(v) and "split" in k else v)
                       for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+
+# megatron-core's MoE all-to-all dispatcher with TP x EP gathers the routed rows of the TP ranks
+# (different counts per rank) with ``all_gather`` / ``reduce_scatter`` on lists of tensors of
+# different sizes, which NCCL runs and gloo refuses; on gloo they are emulated with even ones
+
+
+def _uneven(args: tuple, kwargs: dict, name: str, position: int = 0) -> bool:
+    tensors = kwargs.get(name, args[position] if len(args) > position else None)
+    if kwargs.get("async_op") or not isinstance(tensors, (list, tuple)) or not tensors:
+        return False
+    return len({tuple(t.shape) for t in tensors}) > 1
+
+
+def _uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None,
+                       async_op: bool = False) -> None:
+    """``all_gather`` of first-dimension sizes that differ: pad to the largest, gather, cut."""
+    rows = max(t.shape[0] for t in tensor_list)
+    padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in tensor_list]
+    torch.distributed.all_gather(parts, padded, group=group)
+    for out, part in zip(tensor_list, parts):
+        out.copy_(part[: out.shape[0]])
+
+
+def _uneven_reduce_scatter(output: torch.Tensor, input_list: list, op: Any = None,
+                           group: Any = None, async_op: bool = False) -> None:
+    """``reduce_scatter`` (sum) of first-dimension sizes that differ: all-reduce the whole
+    concatenation (every rank holds the same split sizes) and keep this rank's part."""
+    if op not in (None, torch.distributed.ReduceOp.SUM):
+        raise ValueError(f"the CPU emulation of an uneven reduce_scatter sums; got op {op}")
+    whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
+    torch.distributed.all_reduce(whole, group=group)
+    me = torch.distributed.get_rank(group)
+    start = sum(t.shape[0] for t in input_list[:me])
+    output.copy_(whole[start:start + input_list[me].shape[0]].reshape(output.shape))

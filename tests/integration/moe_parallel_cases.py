@@ -14,7 +14,8 @@ is re-initialised (``parallel_cases.switch_layout``) with
 
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
 pipeline stage with the matching slice of the reference. A negative control runs the TP layout
-with the TP ranks' counts left unsummed.
+with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2 and PP 2 x EP 2
+(``moe_epp_cases``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
         config = moe_config(**CASES[case])
         step, record, errors = _step(config, references[case], sequences, planner, manager)
         record_run(name, step, record, errors, manager, config)
+
+    # TP 2 x EP 2 and PP 2 x EP 2 (and a PP x EP stress) in the same processes
+    from .moe_epp_cases import run_ep_layouts
+
+    run_ep_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
 
     from megatron.core import parallel_state
 

@@ -1,15 +1,16 @@
 """A small Mixtral-style MoE trains through the patched Megatron-LM ``pretrain_gpt.py`` (HDP).
 
-One run on 2 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
+One run on 4 CPU gloo ranks (fixture ``patched_megatron_lm``, launcher of
 ``megatron_bytescale.testing.megatron_lm``): 4 experts, top-2, the all-to-all dispatcher,
-SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, expert
-parallelism 2 (both HDP ranks form one expert group, two experts each). Megatron's own loop
-runs the steps; the HDP summary line is in the log.
+SwiGLU, RMSNorm, RoPE, untied embeddings, the load-balancing loss and z-loss, pipeline
+parallelism 2 and expert parallelism 2 (at each stage both pipelines form one expert group, two
+experts each; a pipeline with fewer micro-batches runs empty ones through its stages). Megatron's
+own loop runs the steps; the HDP summary line is in the log.
 The gradients themselves are checked against megatron-core in ``test_moe_training.py``.
 
 Megatron's own ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (PP 4, EP 8) with the
-documented ``--bytescale-*`` additions is refused naming its expert-parallel size (EP with PP
-is not served); with EP 1 its flags pass the patched ``validate_args``.
+documented ``--bytescale-*`` additions passes the hooks and the patched ``validate_args`` at
+32 ranks (HDP 8 per stage, the EP 8 its flags need).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from .test_megatron_lm_parallel import (
     _losses,
     _said,
     example_flags,
-    with_flag,
 )
 
 MIXTRAL_EXAMPLE = Path("examples") / "mixtral" / "train_mixtral_8x7b_distributed.sh"
@@ -42,8 +42,9 @@ MIXTRAL_STYLE = ["--num-experts", "4", "--moe-router-topk", "2",
 def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tmp_path):
     write_indexed_dataset(tmp_path / "text_document", random_documents(7, 120, vocab=255))
     flags = [*PRETRAIN, *MIXTRAL_STYLE, "--expert-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2",
              "--data-path", str(tmp_path / "text_document"), "--split", "98,1,1"]
-    run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=2, cwd=tmp_path)
+    run = run_pretrain_gpt(patched_megatron_lm, *flags, ranks=4, cwd=tmp_path)
     assert run.returncode == 0, run.tail()
     losses = _losses(run.stdout)
     assert len(losses) == 3 and all(x == x and 0 < x < 20 for x in losses), losses
@@ -59,22 +60,23 @@ def test_patched_pretrain_gpt_trains_a_mixtral_style_moe(patched_megatron_lm, tm
         assert len(logged) == 3 and all(0 < x < 100 for x in logged), (name, logged)
 
 
-def test_mixtral_example_is_refused_only_for_its_expert_parallel_size(patched_megatron_lm,
-                                                                     tmp_path):
+def test_mixtral_example_passes_the_hooks_with_its_own_layout(patched_megatron_lm, tmp_path):
+    """The example as given (PP 4, EP 8, TP 1, grouped GEMM, alltoall, aux loss, the overlap
+    flags, bf16, the distributed optimizer) plus the documented ``--bytescale-*`` flags passes
+    the hooks' checks and the patched ``validate_args`` on the 4 nodes x 8 GPUs its EP 8 needs:
+    8 HDP ranks per stage, one expert group of 8 pipelines at every stage."""
     flags = example_flags(patched_megatron_lm, MIXTRAL_EXAMPLE, tmp_path,
                           ("ckpt", "tokenizer.model", "data/text_document"))
     assert "--num-experts" in flags and "--moe-grouped-gemm" in flags  # the example's own
-    as_given = [*flags, *BYTESCALE_ADDITIONS]
-    ep1 = with_flag(as_given, "--expert-model-parallel-size", "1")  # its PP 4 is kept
-    refused, served = validate_megatron_flags(
-        patched_megatron_lm, [as_given, ep1],
+    assert "--expert-model-parallel-size" in flags and "--pipeline-model-parallel-size" in flags
+    (served,) = validate_megatron_flags(
+        patched_megatron_lm, [[*flags, *BYTESCALE_ADDITIONS]],
         ("bytescale_hdp", "num_experts", "moe_router_topk", "data_parallel_size",
-         "calculate_per_token_loss", "moe_token_dispatcher_type"), world_size=8)
-    said = _said(refused)
-    # expert parallelism trains under HDP without pipeline stages; the example's EP 8 with PP 4
-    # (and 8 does not divide its 2 HDP ranks at 8 processes) is refused, naming the flag
-    assert refused.refused and "--expert-model-parallel-size 8" in said, said
+         "calculate_per_token_loss", "moe_token_dispatcher_type", "expert_model_parallel_size",
+         "pipeline_model_parallel_size", "tensor_model_parallel_size"), world_size=32)
     assert not served.refused, _said(served)
     assert served.values == dict(bytescale_hdp=True, num_experts=8, moe_router_topk=2,
-                                 data_parallel_size=2, calculate_per_token_loss=True,
-                                 moe_token_dispatcher_type="alltoall")
+                                 data_parallel_size=8, calculate_per_token_loss=True,
+                                 moe_token_dispatcher_type="alltoall",
+                                 expert_model_parallel_size=8, pipeline_model_parallel_size=4,
+                                 tensor_model_parallel_size=1)

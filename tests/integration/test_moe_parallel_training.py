@@ -1,7 +1,8 @@
-"""MoE under HDP with TP 2 (sequence parallelism) and with PP 2, on 4 CPU ranks: every gradient
-equals megatron-core's single-process MoE.
+"""MoE under HDP with TP 2 (sequence parallelism) and with PP 2, at expert parallelism 1 and 2,
+on 4 CPU ranks: every gradient equals megatron-core's single-process MoE.
 
-Both layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``.
+All four layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``
+and ``moe_epp_cases.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from .moe_parallel_cases import moe_parallel_rank_body
 TOLERANCE = 1e-5
 TP_RUNS = ["tp alltoall aux 0", "tp alltoall aux", "tp allgather aux"]
 PP_RUNS = ["pp balance aux", "pp manual aux 0", "pp manual aux"]
+TP_EP_RUNS = ["tp ep manual aux 0", "tp ep manual aux", "tp ep balance aux"]
+PP_EP_RUNS = ["pp ep manual aux 0", "pp ep manual aux", "pp ep balance aux"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,38 @@ def test_the_layouts_and_plans_are_the_ones_meant(results):
     assert results[0]["runs"]["pp manual aux"]["micro_batch_counts"] == [6, 4]
 
 
-@pytest.mark.parametrize("run", TP_RUNS + PP_RUNS)
+def test_the_expert_parallel_layouts_and_plans_are_the_ones_meant(results):
+    """EP 2 over the 2 HDP ranks of each TP rank / each stage: one expert group per TP rank /
+    stage; the manual plan has a ring of 2, a pack and counts 5 / 4, so rank (pipeline) 1 runs
+    an empty slot; the balance plans (made with ep_size 2) keep their rings at one slot."""
+    for runs, tp, pp, groups in ((TP_EP_RUNS, 2, 1, [[0, 2], [1, 3], [0, 2], [1, 3]]),
+                                 (PP_EP_RUNS, 1, 2, [[0, 1], [0, 1], [2, 3], [2, 3]])):
+        for run in runs:
+            info = [r["runs"][run] for r in results]
+            assert all(i["tp_size"] == tp and i["pp_size"] == pp and i["ep_size"] == 2
+                       for i in info), run
+            assert [i["expert_group"] for i in info] == groups, run
+            assert info[0]["ring_sizes"][-1] == 2, run
+            assert all(i["sequence_parallel"] == (tp == 2) for i in info)
+        manual = results[0]["runs"][runs[0]]
+        assert manual["ring_sizes"] == [1, 2]
+        assert manual["micro_batch_counts"] == [5, 4] and manual["slots"] == [5, 5]
+
+
+def test_random_plans_train_at_pp_2_ep_2_without_deadlock(results):
+    """A few balance plans (ep_size 2) at PP 2 x EP 2: every step trains all its tokens, with
+    empty slots and rings among them; a deadlock would trip the spawn's timeout."""
+    from .moe_epp_cases import PP_STRESS_PLANS
+
+    stress = [r["ep stress"] for r in results]
+    assert all(s["steps"] == PP_STRESS_PLANS for s in stress)
+    first_stage = [s for s in stress if s["stage"] == 0]
+    assert len(first_stage) == 2
+    assert sum(s["trained_tokens"] for s in first_stage) == stress[0]["total_tokens"]
+    assert stress[0]["empty_slots"] > 0 and stress[0]["rings"] > 0
+
+
+@pytest.mark.parametrize("run", TP_RUNS + PP_RUNS + TP_EP_RUNS + PP_EP_RUNS)
 def test_moe_gradients_equal_megatron_alone(results, run):
     case = "aux 0" if run.endswith("aux 0") else "aux"
     # the loss of one TP rank / the last stage's HDP group is the whole batch's loss
@@ -54,9 +88,10 @@ def test_moe_gradients_equal_megatron_alone(results, run):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
     # every rank holds the routers and experts of its layers: 2 layers x 4 ranks (TP) or
-    # 1 layer x 4 ranks (PP); 4 experts x 2 linears each
+    # 1 layer x 4 ranks (PP); 4 experts (2 with EP 2) x 2 linears each
     layers = 8 if run.startswith("tp") else 4
-    assert routers == layers and experts == layers * 4 * 2
+    local_experts = 2 if " ep " in run else 4
+    assert routers == layers and experts == layers * local_experts * 2
 
 
 def test_the_gradient_check_catches_tp_counts_left_unsummed(results):

@@ -19,8 +19,9 @@ from megatron_bytescale.testing import cpu_compat
         (dict(virtual_pipeline_model_parallel_size=2), "interleaved pipeline stages"),
         (dict(expert_model_parallel_size=3), "--expert-model-parallel-size 3 does not divide the "
                                              "8 HDP ranks"),
-        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
-         "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2"),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+              virtual_pipeline_model_parallel_size=2),
+         "--expert-model-parallel-size 2 with --virtual-pipeline-model-parallel-size 2"),
         (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
         (dict(tensor_model_parallel_size=4, num_attention_heads=6),
          "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
@@ -47,6 +48,9 @@ def test_layout_serves_expert_parallelism_that_divides_the_hdp_ranks():
     assert HDPParallelLayout(world_size=8, expert_model_parallel_size=8).hdp_size == 8
     assert HDPParallelLayout(world_size=8, tensor_model_parallel_size=2,
                              expert_model_parallel_size=2).hdp_size == 4
+    # with pipeline stages: expert groups of the pipelines at one stage (Mixtral's PP 4 x EP 8)
+    assert HDPParallelLayout(world_size=32, pipeline_model_parallel_size=4,
+                             expert_model_parallel_size=8).hdp_size == 8
 
 
 def test_layout_serves_tensor_and_pipeline_parallelism():
@@ -133,3 +137,26 @@ def test_moe_settings_without_a_placement_independent_meaning_are_refused(change
     with pytest.raises(ValueError, match=re.escape(flag)) as info:
         check_moe_config(TransformerConfig(**{**settings, **changes}))
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))
+
+
+def test_expert_parallel_drivers_refuse_what_they_cannot_keep_in_step():
+    """The drivers refuse, before anything runs, interleaved stages with EP (a list of model
+    chunks) and a plan with split ring micro-batches at PP x EP: both would let the pipelines of
+    an expert group run their all-to-alls in different orders."""
+    from types import SimpleNamespace
+
+    from megatron_bytescale.integration.pipeline_schedule import pipeline_slots
+    from megatron_bytescale.integration.schedule import run_micro_batches
+
+    manager = SimpleNamespace(ep_size=2)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 does not run with "
+                                         "interleaved pipeline stages"):
+        run_micro_batches(None, model=[torch.nn.Linear(1, 1)] * 2, config=None, manager=manager)
+    chunk = SimpleNamespace(order=3, chunk=(0, 2))
+    plan = SimpleNamespace(ep_size=2, ranks=[SimpleNamespace(micro_batches=[chunk])] * 2)
+    step = SimpleNamespace(plan=plan, hdp_rank=0, index=7, micro_batches=[chunk],
+                           num_micro_batches=1)
+    with pytest.raises(ValueError, match=r"step 7: the plan splits ring micro-batches \(orders "
+                                         r"\[3\]\) into chunks, which --expert-model-parallel-size 2"):
+        pipeline_slots(step, manager)
+    assert pipeline_slots(SimpleNamespace(**{**vars(step), "micro_batches": []}), manager) == 1

@@ -26,16 +26,18 @@ def _aligned(plan: StepPlan) -> bool:
     return all(len(v) == 1 for v in local.values())
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_balance_plans_rings_at_one_slot_on_every_member(ep):
+@pytest.mark.parametrize("ep, pp", [(2, 1), (4, 1), (2, 2)])
+def test_balance_plans_rings_at_one_slot_on_every_member(ep, pp):
+    """At PP 2 the HDP ranks are pipelines and an expert group is ``ep`` pipelines at one stage:
+    the same contract (one slot per ring, a group runs its busiest pipeline's count)."""
     rng = np.random.default_rng(3)
     spanning = 0
     for _ in range(8):
         lengths = rng.integers(5, 250, rng.integers(3, 12)).tolist()
         plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=64,
-                         cost_model=_cost_model(), ep_size=ep, offload=False)
+                         cost_model=_cost_model(), ep_size=ep, pp_size=pp, offload=False)
         plan.validate()
-        assert plan.ep_size == ep and _aligned(plan)
+        assert plan.ep_size == ep and plan.pp_size == pp and _aligned(plan)
         assert StepPlan.from_json(plan.to_json()).content_hash() == plan.content_hash()
         for r in range(8):  # every rank of an expert group runs its busiest rank's count
             group = range(r - r % ep, r - r % ep + ep)
