@@ -29,7 +29,10 @@ LLaMA-7B cases of ``tests/planner/test_planner_balance_scale.py`` (64-1,024 pipe
 
 Writes section ``pipeline`` of docs/benchmarks.md.
 
-    .venv/bin/python scripts/bench_pipeline.py [--steps 4] [--no-write]
+With ``--vpp`` it runs only PP 2 x HDP 2 (PP-Balance) with 1 and with 2 virtual stages per
+stage on the same batches, the same columns side by side, and writes section ``pipeline-vpp``.
+
+    .venv/bin/python scripts/bench_pipeline.py [--steps 4] [--no-write] [--vpp]
 """
 
 from __future__ import annotations
@@ -171,17 +174,18 @@ def worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
             if index == 0:
                 continue  # warm-up
             _, sim = simulate_plan(step.plan, cost_model, record=True)
-            records.append(_step_record(step, record, counters, spans, sim, rank_map))
+            records.append(step_record(step, record, counters, spans, sim, rank_map))
         out["runs"][scheduler] = records
     return out
 
 
-def _step_record(step, record, counters, spans, sim, rank_map) -> dict[str, Any]:
+def step_record(step, record, counters, spans, sim, rank_map) -> dict[str, Any]:
     """What one step cost this (pipeline, stage), measured and estimated."""
     pipeline, stage = rank_map.hdp_rank, rank_map.pp_rank
     orders = {mb.order for mb in step.micro_batches}
-    estimated_busy = sum(end - start for (order, _, st), (start, end) in sim.node_times.items()
-                         if order in orders and st == stage)
+    # nodes are (order, phase, stage), or (order, phase, chunk, stage) with virtual stages
+    estimated_busy = sum(end - start for node, (start, end) in sim.node_times.items()
+                         if node[0] in orders and node[-1] == stage)
     p2p_wait = sum(end - start for kind, start, end in spans if kind == "p2p")
     ring_wait = counters.steps[-1].total.wait_s if counters.steps else 0.0
     phase_wall = record.micro_batches_done_at - record.started_at
@@ -441,7 +445,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per scheduler")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
+    parser.add_argument("--vpp", action="store_true",
+                        help="only PP 2 x HDP 2 with 1 and 2 virtual stages (section 'pipeline-vpp')")
     args = parser.parse_args()
+    if args.vpp:
+        from bench_pipeline_vpp import vpp_main  # scripts/ is on sys.path (above)
+
+        vpp_main(args.steps, not args.no_write)
+        return
 
     from megatron_bytescale.testing.distributed import run_distributed
 

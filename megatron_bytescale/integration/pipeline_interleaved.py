@@ -137,10 +137,14 @@ def run_interleaved_micro_batches(
                         input_tensor=received, is_last_stage=last and c == vpp - 1,
                     )  # fmt: skip
                 local_tokens += num_tokens.to(local_tokens.device)
-                inputs[(i, c)], outputs[(i, c)] = received, output
+                if not forward_only:  # evaluation keeps nothing for a backward
+                    inputs[(i, c)], outputs[(i, c)] = received, output
                 if op.send:
                     _, handles = p2p.send_forward_recv_forward(output, False, None, overlap_p2p_comm=True)
-                    sent[(i, c)] = (handles, output)
+                    if forward_only:  # freed as soon as its send is done
+                        in_flight.append((handles, output))
+                    else:
+                        sent[(i, c)] = (handles, output)
                 elif forward_only:
                     deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
             else:

@@ -52,3 +52,32 @@ def test_pp2_vpp2_hdp2_gradients_equal_the_reference(results, run):
         assert any("word_embeddings" in k or "output_layer" in k for k in errors)
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("run", ["rings", "idle pipeline", "balance"])
+def test_forward_only_evaluation_matches_the_reference_forward(results, run):
+    """Megatron-LM's evaluate() path (forward_only=True, under no_grad) over virtual stages:
+    every planned micro-batch reports its loss sum once (ring members' shares summed), equal to
+    the reference forward's sum over its sequences, and no gradient buffer moves."""
+    runs = [r["runs"][run] for r in results]
+    assert runs[0]["vpp"] == 2
+    if run == "idle pipeline":
+        assert sorted(runs[0]["counts"]) == [0, 5]
+    per_order: dict[int, float] = {}
+    seqs: dict[int, list[int]] = {}
+    for r in results:
+        ev = r["runs"][run]["eval"]
+        assert ev["touched"] == [], f"rank {r['rank']}: gradient buffers changed by a forward-only pass"
+        assert ev["reports"] >= 1  # a stage or pipeline without losses still gives Megatron one report
+        seqs.update({int(k): v for k, v in ev["seqs"].items()})
+        if r["stage"] == 1:
+            for order, loss in ev["losses"].items():
+                per_order[int(order)] = per_order.get(int(order), 0.0) + loss
+        else:
+            assert ev["losses"] == {}
+    assert sorted(per_order) == sorted(seqs)  # every micro-batch of the plan evaluated
+    ref = runs[0]["reference_seq_losses"]
+    assert sorted(s for v in seqs.values() for s in v) == list(range(len(ref)))  # each sequence once
+    for order, loss in per_order.items():
+        expected = sum(ref[s] for s in seqs[order])
+        assert abs(loss - expected) <= TOLERANCE * abs(expected), (run, order, loss, expected)

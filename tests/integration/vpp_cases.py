@@ -7,6 +7,12 @@ Megatron is re-initialised with PP 2 x 2 virtual stages, each rank builds its tw
 (4 layers: chunk c of stage s holds layer 2c + s), loads the same weights, runs one HDP step
 through the interleaved driver, and compares every chunk's reduced gradients (``main_grad``
 right before the optimizer step) with the reference's.
+
+Before each training step, the same step is evaluated as Megatron-LM's ``evaluate()`` does:
+``hdp_forward_backward(forward_only=True)`` under ``torch.no_grad()``. Its loss reports are
+mapped to the plan's micro-batches (the last stage's last chunk reports them in the program's
+order) and compared, summed over ring members, with each micro-batch's sequences' loss sums of
+the reference's forward; every gradient buffer is checked untouched.
 """
 
 from __future__ import annotations
@@ -49,10 +55,57 @@ def references(batches) -> list[dict[str, Any]]:
         for sequences in batches:
             loss, grads = reference_loss_and_grads(config, state, sequences,
                                                    share_embeddings_and_output_weights=True)
-            payload[0].append({"state": state, "loss": loss, "grads": grads})
+            payload[0].append({"state": state, "loss": loss, "grads": grads,
+                               "seq_losses": reference_sequence_losses(config, state, sequences)})
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
+
+
+def reference_sequence_losses(config, state, sequences) -> list[float]:
+    """Each sequence's token-loss sum from the single-process reference model, forward only."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=CONTEXT, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=True)
+    model.load_state_dict(state)
+    sums = []
+    with torch.no_grad():
+        for seq in sequences:
+            tokens = torch.as_tensor(seq, dtype=torch.long)[None]
+            labels = torch.zeros_like(tokens)
+            labels[0, :-1] = tokens[0, 1:]
+            losses = model(tokens, torch.arange(tokens.shape[1])[None], None, labels=labels)
+            sums.append(float(losses[0, :-1].sum()))
+    return sums
+
+
+def evaluate_step(step, ddps, manager) -> dict[str, Any]:
+    """One forward-only pass of ``step`` the way Megatron-LM's ``evaluate()`` runs it: its loss
+    sums per plan micro-batch (``order``), whether any gradient buffer changed, the report count."""
+    from megatron_bytescale.integration.megatron_lm_step import hdp_forward_backward
+    from megatron_bytescale.integration.schedule import hdp_forward_step
+    from megatron_bytescale.planner.interleaved_program import stage_program
+
+    params = [p for ddp in ddps for p in ddp.module.parameters()]
+    before = [(p.main_grad.detach().clone(), p.grad) for p in params]
+    with torch.no_grad():
+        store = hdp_forward_backward(forward_step_func=hdp_forward_step, data_iterator=[iter([step]), None],
+                                     model=ddps, num_microbatches=1, forward_only=True)
+    touched = [i for i, (p, (g, grad)) in enumerate(zip(params, before))
+               if not torch.equal(p.main_grad, g) or p.grad is not grad]
+    rank_map = manager.rank_map
+    losses: dict[int, float] = {}
+    if rank_map.is_last_stage and step.num_micro_batches:
+        program = stage_program(step.plan.micro_batch_counts(), rank_map.pp_size, len(ddps),
+                                rank_map.pp_rank)[step.hdp_rank]
+        last_chunk = [op.index for op in program if op.phase == "F" and op.chunk == len(ddps) - 1]
+        for index, report in zip(last_chunk, store, strict=True):
+            losses[step.micro_batches[index].order] = float(report["lm loss"][0])
+    return {"losses": losses, "touched": touched, "reports": len(store),
+            "seqs": {mb.order: list(mb.seqs) for mb in step.micro_batches}}
 
 
 def vpp_plan(lengths: list[int], rows: list[list[tuple[str, int]]]):
@@ -125,6 +178,7 @@ def vpp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
 
         optimizer.step = capture
         step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
+        evaluation = evaluate_step(step, ddps, manager)  # with the reference's weights, as trained next
         record = run_hdp_step(step, model=ddps, optimizer=optimizer, manager=manager)
         errors = {}
         for c, (ddp, g) in enumerate(zip(ddps, grads)):
@@ -136,6 +190,8 @@ def vpp_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "reference_loss": ref["loss"],
+            "reference_seq_losses": ref["seq_losses"],
+            "eval": evaluation,
             "grad_errors": errors,
             "layers": [[int(layer.layer_number) for layer in d.module.decoder.layers] for d in ddps],
         }
