@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
 
 from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
-from megatron_bytescale.planner.estimate import micro_batch_costs  # noqa: E402
 from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
 from megatron_bytescale.planner.presets import model_spec  # noqa: E402
 from megatron_bytescale.sim import format_tokens, paper  # noqa: E402
@@ -100,56 +99,11 @@ def progress(msg: str) -> None:
     print(f"[bench_moe_ep] {msg}", file=sys.stderr, flush=True)
 
 
-def slot_phase(plan: Any, seconds: dict[int, float], *, couple_groups: bool) -> float:
-    """The micro-batch phase of ``plan`` run slot by slot, every lockstep component at its
-    slowest member's pace: in slot k the ranks joined by a ring (and, with ``couple_groups``,
-    every rank of an expert group, those with an empty slot too: they still join the group's
-    all-to-alls) start together when all of them are free and end after the longest of their
-    micro-batches. Without ``couple_groups`` it is the planner's own PP = 1 timeline."""
-    n, e = plan.hdp_size, plan.ep_size if couple_groups else 1
-    lists = [rp.micro_batches for rp in plan.ranks]
-    ready = [0.0] * n
-    for k in range(max((len(x) for x in lists), default=0)):
-        parent = list(range(n))
-
-        def find(r: int) -> int:
-            while parent[r] != r:
-                parent[r] = parent[parent[r]]
-                r = parent[r]
-            return r
-
-        active = set()
-        for r in range(n):
-            if k < len(lists[r]):
-                active.add(r)
-                for m in lists[r][k].ring:
-                    parent[find(m)] = find(r)
-        if e > 1:
-            for r in list(active):
-                for m in range(r - r % e, r - r % e + e):
-                    active.add(m)
-                    parent[find(m)] = find(r)
-        start: dict[int, float] = {}
-        length: dict[int, float] = {}
-        for r in active:
-            root = find(r)
-            start[root] = max(start.get(root, 0.0), ready[r])
-            t = seconds[lists[r][k].order] if k < len(lists[r]) else 0.0
-            length[root] = max(length.get(root, 0.0), t)
-        for r in active:
-            root = find(r)
-            ready[r] = start[root] + length[root]
-    return max(ready, default=0.0)
-
-
-def slot_lockstep(plan: Any, cost_model: Any) -> float:
-    """How much longer the micro-batch phase runs when an expert group's members wait for each
-    other in every slot: :func:`slot_phase` with the groups coupled over the same without
-    (1.0: never). Per pipeline stage (one stage's micro-batch times) with PP."""
-    costs = micro_batch_costs(plan, cost_model, None)
-    seconds = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
-    free = slot_phase(plan, seconds, couple_groups=False)
-    return slot_phase(plan, seconds, couple_groups=True) / free if free > 0 else 1.0
+def without_groups(plan: Any, setup: Any) -> float:
+    """The micro-batch phase of ``plan`` timed as if its expert groups did not wait for each
+    other (the same plan with ``ep_size`` 1: rings still couple their members)."""
+    return simulate_step(dataclasses.replace(plan, ep_size=1), setup.cost_model, overheads=setup.overheads,
+                         tensor_parallel_size=setup.tensor_parallel_size).micro_batch_phase_s
 
 
 def one(lengths: Any, setup: Any, *, scheduler: str, ep_size: int, context: int) -> dict:
@@ -165,7 +119,7 @@ def one(lengths: Any, setup: Any, *, scheduler: str, ep_size: int, context: int)
     counts = plan.micro_batch_counts()
     return {"signature": [[[mb.order, list(mb.ring)] for mb in rp.micro_batches] for rp in plan.ranks],
             "step_s": result.step_time_s, "phase_s": result.micro_batch_phase_s, "plan_cpu_s": cpu,
-            "lockstep": slot_lockstep(plan, setup.cost_model) if ep_size > 1 else None,
+            "lockstep": result.micro_batch_phase_s / without_groups(plan, setup) if ep_size > 1 else None,
             "mb_min": int(min(counts)), "mb_max": int(max(counts)),
             "largest_ring": int(max(result.ring_sizes, default=1)), "mode": plan.meta.get("mode")}
 
@@ -199,10 +153,8 @@ def run(models: tuple[str, ...], datasets: tuple[str, ...], ep_sizes: tuple[int,
 
 
 def with_lockstep(v: dict) -> float:
-    """The step with its micro-batch phase stretched by the slot lockstep (an estimate, see the
-    module docstring; the step itself when the plan has no expert groups)."""
-    lock = v.get("lockstep") or 1.0
-    return v["step_s"] - v["phase_s"] + v["phase_s"] * lock
+    """The step with the expert groups' lockstep: the simulated step charges it itself."""
+    return v["step_s"]
 
 
 def rows_of(results: dict) -> list[list[str]]:

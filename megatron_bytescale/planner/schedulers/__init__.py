@@ -120,12 +120,12 @@ def make_plan(
         if request.seq_split:
             plan = split_where_faster(plan, request.cost_model, topology=request.topology)
             plan = replace(plan, meta={**plan.meta, "seq_split": True})
+        if ep_size > 1:  # before the estimate, which times expert groups slot by slot
+            check_expert_slots(plan, scheduler)
         if estimate and plan.estimate is None:
             plan = replace(plan, estimate=estimate_plan(plan, request.cost_model, request.topology))
         elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
             plan = replace(plan, estimate=None)
-        if ep_size > 1:
-            check_expert_slots(plan, scheduler)
     finally:
         if was_enabled:
             gc.enable()
@@ -134,7 +134,13 @@ def make_plan(
 
 def check_expert_slots(plan: StepPlan, scheduler: str) -> None:
     """Raise ValueError unless every ring micro-batch of ``plan`` sits at the same local index on
-    all its members (what expert parallelism needs; ``StepPlan.validate`` checks the same)."""
+    all its members (what expert parallelism needs; ``StepPlan.validate`` checks the same) and
+    the plan has no barriers between micro-batches (an expert group's slots cannot wait for
+    them: a member's slot k may sit on either side of a barrier)."""
+    if plan.meta.get("barrier_after_orders"):
+        raise ValueError(f"scheduler {scheduler!r} cannot plan for expert parallelism (ep_size {plan.ep_size}): "
+                         "it puts barriers between groups of micro-batches, which expert groups meeting "
+                         "slot by slot cannot honour; use --bytescale-scheduler balance")
     for rank_plan in plan.ranks:
         for local, mb in enumerate(rank_plan.micro_batches):
             for member in mb.ring:
