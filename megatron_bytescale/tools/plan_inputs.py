@@ -210,7 +210,8 @@ def ep_lockstep_note(ep: int) -> str:
     """What estimates and simulated steps at expert parallelism ``ep`` charge, in one line."""
     return (f"note: with --expert-model-parallel-size {ep} the members of an expert group wait for each "
             "other in every slot (each MoE layer's all-to-all); the estimated steps charge that wait, "
-            "an empty slot included (docs/moe.md)")
+            "an empty slot included, and balance sorts each member's micro-batches so that similar ones "
+            "share a slot (docs/moe.md)")
 
 
 def ep_refusal(scheduler: str, ep: int) -> str:

@@ -60,6 +60,7 @@ def make_plan(
     pieces: bool = True,
     ep_size: int = 1,
     seq_split: bool = False,
+    even_expert_slots: bool = True,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -95,6 +96,10 @@ def make_plan(
             only where the estimated step shrinks and the chunks' kept prefix K/V fits the
             capacity (:func:`..chunk_estimate.split_where_faster`). ``balance`` with PP > 1 and
             ep_size 1 only; the plan must then run plain 1F1B (no virtual stages).
+        even_expert_slots: with ``ep_size`` > 1, ``balance`` sorts every member's single-rank
+            micro-batches by time into its non-ring slots where the estimate says the expert
+            groups then wait less (:mod:`.ep_slots`); False keeps PP-Balance's order (to
+            measure what sorting gains).
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -109,7 +114,7 @@ def make_plan(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
         delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
-        seq_split=seq_split, scheduler=scheduler,
+        seq_split=seq_split, scheduler=scheduler, even_expert_slots=even_expert_slots,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
