@@ -105,17 +105,25 @@ def test_balance_evens_slots_without_losing_anything(pp):
         even = make_plan(lengths, **kw)
         even.validate()  # the slot rule, pieces, every token once
         assert even.estimate.step_time_s <= plain.estimate.step_time_s, case
-        assert even.meta["expert_slots_before_s"] == plain.estimate.step_time_s
+        # the evened candidate's own estimate before evening (at PP 1 every candidate is evened,
+        # so the winner may be another candidate than the unsorted plan's)
+        assert even.meta["expert_slots_before_s"] >= even.estimate.step_time_s
+        if pp > 1:
+            assert even.meta["expert_slots_before_s"] == plain.estimate.step_time_s
         assert even.meta["expert_slots"] in ("as placed", "longest-first", "shortest-first",
                                              "regrouped, longest-first", "regrouped, shortest-first")
         # the same micro-batches; rings on the same ranks at the same slot
         def content(plan):
             return Counter((mb.ring if len(mb.ring) > 1 else (), mb.seqs, mb.offload_ratio)
                            for rp in plan.ranks for mb in rp.micro_batches)
-        assert content(even) == content(plain)
-        for a, b in zip(even.ranks, plain.ranks):
-            assert [(k, mb.seqs) for k, mb in enumerate(a.micro_batches) if len(mb.ring) > 1] == \
-                   [(k, mb.seqs) for k, mb in enumerate(b.micro_batches) if len(mb.ring) > 1]
+        if pp > 1 or even.meta["assignment"] == plain.meta["assignment"]:
+            assert content(even) == content(plain)
+        assert sorted(s for rp in even.ranks for mb in rp.micro_batches for s in mb.seqs
+                      if len(mb.ring) == 1 or mb.ring[0] == rp.rank) == list(range(len(lengths)))
+        if pp > 1:  # the same candidate, evened: its rings stay on the same ranks and slots
+            for a, b in zip(even.ranks, plain.ranks):
+                assert [(k, mb.seqs) for k, mb in enumerate(a.micro_batches) if len(mb.ring) > 1] == \
+                       [(k, mb.seqs) for k, mb in enumerate(b.micro_batches) if len(mb.ring) > 1]
 
 
 def test_even_expert_slots_keeps_the_faster_plan():

@@ -73,13 +73,14 @@ def regroup_slots(lists: Sequence[Sequence[MicroBatch]], seconds: Mapping[int, f
     So slot k gets the member cells that must be filled (before the member's last ring) and as
     many tail cells as the pool can spare, and the pool, longest first, fills the slots of the
     longest rings first (their members wait for the ring anyway), then the others in slot order
-    (``longest_first``) or in reverse. A group with an offloaded single-rank micro-batch keeps
-    its micro-batches where they are (their host memory was budgeted per rank)."""
+    (``longest_first``) or in reverse. Offloaded micro-batches move too: the planner sizes a
+    micro-batch's offload ratio, and checks its host memory (``pp_size`` of it in flight), per
+    micro-batch, the same on every rank."""
     out: list[list[MicroBatch]] = [list(x) for x in lists]
     for first in range(0, len(lists), ep):
         members = range(first, first + ep)
         singles = [mb for m in members for mb in lists[m] if len(mb.ring) == 1]
-        if not singles or any(mb.offload_ratio > 0 for mb in singles):
+        if not singles:
             continue
         rings = {m: {k: mb for k, mb in enumerate(lists[m]) if len(mb.ring) > 1} for m in members}
         end = {m: max(rings[m]) + 1 if rings[m] else 0 for m in members}
@@ -114,7 +115,7 @@ def regroup_slots(lists: Sequence[Sequence[MicroBatch]], seconds: Mapping[int, f
                 new.append(mb)
             out[m] = new
         if sum(len(out[m]) for m in members) != sum(len(lists[m]) for m in members):
-            raise AssertionError("regroup_slots lost a micro-batch")  # a bug here, never user input
+            raise RuntimeError("regroup_slots lost a micro-batch")  # a bug here, never user input
     return out
 
 
