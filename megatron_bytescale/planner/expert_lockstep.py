@@ -6,9 +6,9 @@ micro-batch index). A member whose slot-k micro-batch is short waits inside the 
 the group's longest one, and a member with nothing left to train runs an empty micro-batch that
 waits for the whole slot (:func:`.plan.expert_slots`). Rings already make their members wait for
 each other; a ring whose members sit in two groups ties both groups into one lockstep
-*component* for that slot. Leaving this out lets a plan look balanced while its groups idle
-(balance's micro-batch phase ran up to 1.9x longer than its estimate on Fig. 17's Mistral
-panels, docs/moe.md).
+*component* for that slot. Leaving this out lets a plan look balanced while its groups idle:
+the plans balance chose without it run their micro-batch phase up to 2.3x longer than
+estimated on Fig. 17's Mistral panels (docs/moe.md).
 
 Model, for a plan that keeps every ring micro-batch at one slot on all its members (the EP rule
 :meth:`.plan.StepPlan.validate` checks):

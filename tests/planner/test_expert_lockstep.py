@@ -100,6 +100,14 @@ def test_pipelines_wait_for_their_group_per_stage():
     from megatron_bytescale.planner.order import simulate
     alone = simulate(plan, seconds, forward_fraction=1 / 3).rank_finish_s
     assert max(alone) < 9.0
+    # recorded: every order's ops carry its component's times (what the Gantt chart draws)
+    from megatron_bytescale.planner.expert_lockstep import lockstep_simulation
+    times = lockstep_simulation(plan, seconds, 1 / 3, record=True).node_times
+    for o in range(4):
+        for phase in "FB":
+            for stage in range(2):
+                assert (o, phase, stage) in times
+    assert times[(0, "F", 0)] == times[(1, "F", 0)] == (0.0, 1.0)
     # an empty slot in a pipeline still runs through it: pipeline 1 holds only a 1 s micro-batch
     plan = _plan(2, [[(0, (0,)), (2, (0,))], [(1, (1,))]], pp=2)
     assert _finish(plan, {0: 3.0, 1: 1.0, 2: 3.0}) == pytest.approx([9.0, 9.0], rel=1e-12)
