@@ -202,7 +202,8 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     already slower than the best step is skipped. Ties go to the earlier candidate (the earlier
     set of :func:`.selective.unit_options`, then the list order), so skipping never changes
     the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
-    floor no longer bounds the evened plan and the skip is a heuristic). Returns the plan and the cost model it was estimated with."""
+    floor no longer bounds the evened plan and the skip is a heuristic). Returns the plan and
+    the cost model it was estimated with."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
     best: tuple[float, tuple[int, int], StepPlan, CostModel] | None = None
