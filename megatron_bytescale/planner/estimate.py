@@ -17,6 +17,11 @@ Model (documented here because every scheduler comparison rests on it):
   pipelines run interleaved 1F1B instead (v model chunks per stage, each op 1 / v of the
   stage time; :func:`.pipeline_floor.simulate_schedule`, whose docstring derives the bubble
   ``(p - 1) t / v``); v = 1 is the 1F1B above, unchanged.
+* **Expert parallelism** (``plan.ep_size`` E > 1): the E ranks of an expert group meet in every
+  MoE layer's all-to-all, slot by slot, so each slot's expert groups (joined by the rings of
+  that slot) run in lockstep at their slowest member's pace, an empty slot costing the whole
+  slot (:mod:`.expert_lockstep`; with PP per stage, inside the same pipeline schedules). E = 1
+  plans never take this path.
 * Not modelled: the gradient all-reduce at the end of the step (the same for every scheduler),
   data loading, activation sends between PP stages, stragglers.
 
@@ -37,6 +42,7 @@ import numpy as np
 
 from .chunk_estimate import chunk_costs, has_chunks, simulate_chunked
 from .cost_model import CostModel
+from .expert_lockstep import lockstep_simulation
 from .offload import max_zigzag_share_array
 from .order import Simulation, simulate
 from .pipeline_floor import simulate_schedule
@@ -193,6 +199,12 @@ def simulate_plan(plan: StepPlan, cost_model: CostModel, *, record: bool = False
                   topology: Topology | None = None) -> tuple[MicroBatchCosts, Simulation]:
     """Costs of every micro-batch and the timed simulation of the whole plan."""
     costs = micro_batch_costs(plan, cost_model, topology)
+    if plan.ep_size > 1:  # expert groups meet slot by slot (module docstring)
+        if has_chunks(plan):
+            raise PlanError(f"a plan split into sequence chunks cannot be timed with ep_size {plan.ep_size}: "
+                            "plan expert parallelism without the sequence split")
+        durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+        return costs, lockstep_simulation(plan, durations, cost_model.forward_fraction, record=record)
     if has_chunks(plan):  # split micro-batches: chunk costs, each group's backwards reversed
         costs = chunk_costs(plan, cost_model, costs)
         return costs, Simulation(rank_finish_s=simulate_chunked(plan, costs, cost_model.forward_fraction))
@@ -290,9 +302,10 @@ def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | No
         "offloaded_micro_batches": int(np.sum(costs.offload > 0)),
         "micro_batch_counts": plan.micro_batch_counts(),
         "num_barriers": len(plan.meta.get("barrier_after_orders", []) or []),
-        "model": "sequential rendezvous" if plan.pp_size == 1 else (
+        "model": ("sequential rendezvous" if plan.pp_size == 1 else (
             f"1F1B x {plan.pp_size} stages, coupled rings" if plan.virtual_pipeline_size == 1 else
-            f"interleaved 1F1B x {plan.pp_size} stages x {plan.virtual_pipeline_size} virtual, coupled rings"),
+            f"interleaved 1F1B x {plan.pp_size} stages x {plan.virtual_pipeline_size} virtual, coupled rings"))
+        + (f", expert groups of {plan.ep_size} in lockstep" if plan.ep_size > 1 else ""),
         "inter_node_p2p_bytes": int(round(float(np.sum(costs.inter_node_bytes)))),
         "ranks_per_node": topo.ranks_per_node,
         **placement_summary(topo, [r for r in costs.rings if len(r) > 1]),

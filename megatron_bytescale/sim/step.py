@@ -5,7 +5,9 @@ There is one model of time. The micro-batch phase comes from the planner's estim
 :meth:`CostModel.ring_time_from_sums` on each member (compute from ``T(s)``, ring P2P
 overlapped per ring step, intra- or inter-node rate by where the members sit, exposed offload
 transfer), rings start when all members are free, and with PP every rank is a 1F1B pipeline
-with rings meeting across pipelines. This module adds what happens after it
+with rings meeting across pipelines; with expert parallelism (``plan.ep_size`` > 1) the ranks
+of an expert group run every slot in lockstep at their slowest member's pace
+(:mod:`megatron_bytescale.planner.expert_lockstep`), and that wait shows as ``idle``. This module adds what happens after it
 (:mod:`.overheads`: gradient reduction, optimizer, data and plan wait) and splits the time
 into what it is spent on with :meth:`CostModel.ring_time_terms`, the same formula's parts.
 

@@ -207,10 +207,11 @@ def expert_parallel_size(args: argparse.Namespace, cost_model: Any) -> int:
 
 
 def ep_lockstep_note(ep: int) -> str:
-    """What estimates and simulated steps at expert parallelism ``ep`` leave out, in one line."""
+    """What estimates and simulated steps at expert parallelism ``ep`` charge, in one line."""
     return (f"note: with --expert-model-parallel-size {ep} the members of an expert group wait for each "
-            "other in every slot (each MoE layer's all-to-all); the estimated steps do not charge that "
-            "wait (docs/moe.md: up to 1.9x of balance's micro-batch phase on Fig. 17's Mistral panels)")
+            "other in every slot (each MoE layer's all-to-all); the estimated steps charge that wait, "
+            "an empty slot included, and balance sorts each member's micro-batches so that similar ones "
+            "share a slot (docs/moe.md)")
 
 
 def ep_refusal(scheduler: str, ep: int) -> str:

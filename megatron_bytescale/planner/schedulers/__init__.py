@@ -60,6 +60,7 @@ def make_plan(
     pieces: bool = True,
     ep_size: int = 1,
     seq_split: bool = False,
+    even_expert_slots: bool = True,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -95,6 +96,10 @@ def make_plan(
             only where the estimated step shrinks and the chunks' kept prefix K/V fits the
             capacity (:func:`..chunk_estimate.split_where_faster`). ``balance`` with PP > 1 and
             ep_size 1 only; the plan must then run plain 1F1B (no virtual stages).
+        even_expert_slots: with ``ep_size`` > 1, ``balance`` sorts every member's single-rank
+            micro-batches by time into its non-ring slots where the estimate says the expert
+            groups then wait less (:mod:`.ep_slots`); False keeps PP-Balance's order (to
+            measure what sorting gains).
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -109,7 +114,7 @@ def make_plan(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
         delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
-        seq_split=seq_split, scheduler=scheduler,
+        seq_split=seq_split, scheduler=scheduler, even_expert_slots=even_expert_slots,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.
@@ -120,12 +125,12 @@ def make_plan(
         if request.seq_split:
             plan = split_where_faster(plan, request.cost_model, topology=request.topology)
             plan = replace(plan, meta={**plan.meta, "seq_split": True})
+        if ep_size > 1:  # before the estimate, which times expert groups slot by slot
+            check_expert_slots(plan, scheduler)
         if estimate and plan.estimate is None:
             plan = replace(plan, estimate=estimate_plan(plan, request.cost_model, request.topology))
         elif not estimate and plan.estimate is not None:  # PP-Balance estimates its candidates
             plan = replace(plan, estimate=None)
-        if ep_size > 1:
-            check_expert_slots(plan, scheduler)
     finally:
         if was_enabled:
             gc.enable()
@@ -134,7 +139,13 @@ def make_plan(
 
 def check_expert_slots(plan: StepPlan, scheduler: str) -> None:
     """Raise ValueError unless every ring micro-batch of ``plan`` sits at the same local index on
-    all its members (what expert parallelism needs; ``StepPlan.validate`` checks the same)."""
+    all its members (what expert parallelism needs; ``StepPlan.validate`` checks the same) and
+    the plan has no barriers between micro-batches (an expert group's slots cannot wait for
+    them: a member's slot k may sit on either side of a barrier)."""
+    if plan.meta.get("barrier_after_orders"):
+        raise ValueError(f"scheduler {scheduler!r} cannot plan for expert parallelism (ep_size {plan.ep_size}): "
+                         "it puts barriers between groups of micro-batches, which expert groups meeting "
+                         "slot by slot cannot honour; use --bytescale-scheduler balance")
     for rank_plan in plan.ranks:
         for local, mb in enumerate(rank_plan.micro_batches):
             for member in mb.ring:

@@ -51,6 +51,9 @@ class PlanRequest:
     """Where the HDP ranks sit (None: the cost model's ``ranks_per_node``)."""
     pieces: bool = True
     """False: a timing-only plan (no token pieces; see :func:`make_plan`)."""
+    even_expert_slots: bool = True
+    """With ``ep_size`` > 1, let balance sort each member's single-rank micro-batches so those of
+    similar length share a slot where the estimate says it pays (:mod:`.ep_slots`)."""
     seq_split: bool = False
     """Split PP-Balance's longest rings along the pipeline where the estimate says it pays and
     the kept prefix fits (:func:`..chunk_estimate.split_where_faster`)."""
@@ -134,6 +137,7 @@ def build_request(
     ep_size: int = 1,
     seq_split: bool = False,
     scheduler: str = "balance",
+    even_expert_slots: bool = True,
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -164,6 +168,8 @@ def build_request(
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= float(delta) < 1:
         raise ValueError(f"delta ({delta!r}) must be a fraction of the max rank time in [0, 1)")
     layers = cost_model.layers_per_stage(pp_size)
+    if not isinstance(even_expert_slots, bool):
+        raise ValueError(f"even_expert_slots ({even_expert_slots!r}) must be True or False")
     if not isinstance(seq_split, bool):
         raise ValueError(f"seq_split ({seq_split!r}) must be True or False")
     if seq_split:
@@ -180,6 +186,7 @@ def build_request(
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
         topology=topology, pieces=bool(pieces), ep_size=ep_size, seq_split=seq_split,
+        even_expert_slots=even_expert_slots,
     )
 
 
