@@ -309,3 +309,23 @@ def test_integer_tensors_are_never_offloaded(x0):
     grads = gradients(layers, x0, offloader, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(grads, reference))
     assert offloader.end_step().offloaded_bytes == T * H * 4
+
+
+class SavesYThenAView(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.exp(x * 0.5)  # saves y: its storage is offloaded here
+        return x * y.view(T, 1, H)  # saves x and a second view of y's storage
+
+
+def test_a_second_view_of_an_offloaded_storage_reloads_it_on_demand(x0):
+    """Nothing is saved in layer 1, so layer 0's storages come back on demand, and the first
+    tensor backward asks for is the *second* view of ``y``'s storage: its handle must reach the
+    micro-batch's reload, not only the first view's."""
+    layers = torch.nn.ModuleList([SavesYThenAView(), torch.nn.Identity(), Tanh(), Tanh()])
+    reference = gradients(layers, x0, None, 1.0)
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
+    grads = gradients(layers, x0, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    stats = offloader.end_step()
+    assert stats.offloaded_tensors == 2  # y's storage (two views) and the layer input x
+    assert (stats.prefetched_reloads, stats.on_demand_reloads) == (0, 2)
