@@ -1,4 +1,4 @@
-"""Per-rank body of the MoE-under-TP / PP test (4 gloo processes, ONE spawn for both layouts).
+"""Per-rank body of the MoE-under-TP / PP test (4 gloo processes, ONE spawn for all layouts).
 
 Reference: as in ``moe_cases`` (megatron-core's own local MoE GPT at TP = PP = 1 on every
 document alone, per-token loss, megatron-core's router losses of each document alone), computed
@@ -10,11 +10,14 @@ is re-initialised (``parallel_cases.switch_layout``) with
   of a document must be summed over the TP ranks as well as over the ring;
 * PP 2 x HDP 2 (one MoE layer per stage): the router losses of a stage's layer are attached in
   that stage's forward and reach the router in its backward, with 1F1B keeping several
-  micro-batches in flight.
+  micro-batches in flight;
+* TP 2 x PP 2 (HDP 1, sequence parallelism): both at once, each stage's TP pair summing its
+  counts over its own TP group; one HDP rank, so no rings: :func:`tp_pp_plan`'s packs and
+  documents alone, and the balance scheduler's plan.
 
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
-pipeline stage with the matching slice of the reference. A negative control runs the TP layout
-with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2 and PP 2 x EP 2
+pipeline stage with the matching slice of the reference. Negative controls run the TP and the
+TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2 and PP 2 x EP 2
 (``moe_epp_cases``).
 """
 
@@ -165,9 +168,17 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     tpp_manual = tp_pp_plan(MOE_LENGTHS)
     for name, case, planner in (("tpp manual aux 0", "aux 0", lambda _: tpp_manual),
                                 ("tpp manual aux", "aux", lambda _: tpp_manual),
-                                ("tpp balance aux", "aux", tpp_balance)):
+                                ("tpp balance aux", "aux", tpp_balance),
+                                ("control: TP x PP counts not summed", "aux",
+                                 lambda _: tpp_manual)):
         config = moe_config(**CASES[case], sequence_parallel=True)
-        step, record, errors = _step(config, references[case], sequences, planner, manager)
+        saved = moe.tp_sum
+        if name.startswith("control"):
+            moe.tp_sum = lambda tensor, group: tensor
+        try:
+            step, record, errors = _step(config, references[case], sequences, planner, manager)
+        finally:
+            moe.tp_sum = saved
         record_run(name, step, record, errors, manager, config)
 
     # TP 2 x EP 2 and PP 2 x EP 2 (and a PP x EP stress) in the same processes

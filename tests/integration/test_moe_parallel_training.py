@@ -109,10 +109,13 @@ def test_moe_gradients_equal_megatron_alone(results, run):
     assert routers == layers and experts == layers * local_experts * 2
 
 
-def test_the_gradient_check_catches_tp_counts_left_unsummed(results):
+@pytest.mark.parametrize("control", ["control: TP counts not summed",
+                                     "control: TP x PP counts not summed"])
+def test_the_gradient_check_catches_tp_counts_left_unsummed(results, control):
     """Each TP rank's own counts in the load-balancing loss move the router's gradient far
-    beyond the tolerance, so the TP equality above is not luck."""
-    worst = max(v for r in results
-                for n, v in r["runs"]["control: TP counts not summed"]["grad_errors"].items()
-                if ".mlp.router." in n)
-    assert worst > 100 * TOLERANCE
+    beyond the tolerance, so the TP (and TP x PP, on both stages) equality above is not luck."""
+    stages = {r["runs"][control]["pp"] for r in results}
+    for stage in stages:
+        worst = max(v for r in results if r["runs"][control]["pp"] == stage
+                    for n, v in r["runs"][control]["grad_errors"].items() if ".mlp.router." in n)
+        assert worst > 100 * TOLERANCE, (control, stage, worst)
