@@ -17,8 +17,8 @@ is re-initialised (``parallel_cases.switch_layout``) with
 
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
 pipeline stage with the matching slice of the reference. Negative controls run the TP and the
-TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2 and PP 2 x EP 2
-(``moe_epp_cases``).
+TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2
+and PP 2 x EP 2 (``moe_epp_cases``).
 """
 
 from __future__ import annotations
