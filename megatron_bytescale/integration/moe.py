@@ -100,7 +100,6 @@ def moe_refusals(settings: Any) -> list[str]:
             "--disable-bias-linear (Mixtral has no biases)"
         )
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
-    pp = getattr(settings, "pipeline_model_parallel_size", 1) or 1
     etp = getattr(settings, "expert_tensor_parallel_size", None) or tp  # Megatron: unset = TP
     if etp != tp:
         reasons.append(
@@ -116,12 +115,6 @@ def moe_refusals(settings: Any) -> list[str]:
             "cannot be combined with --bytescale-hdp: megatron-core's all-gather dispatcher "
             "gathers equal row counts from every rank of the expert group, and HDP micro-batches "
             "differ in length; use --moe-token-dispatcher-type alltoall"
-        )
-    if tp > 1 and pp > 1:
-        reasons.append(
-            f"--tensor-model-parallel-size {tp} with --pipeline-model-parallel-size {pp} "
-            "cannot be combined with --num-experts under --bytescale-hdp: MoE trains under "
-            "HDP with tensor or pipeline parallelism, not both at once"
         )
     return reasons
 

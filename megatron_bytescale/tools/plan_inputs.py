@@ -185,8 +185,8 @@ def moe_note(args: argparse.Namespace) -> str | None:
     return (f"note: {spec.name} is a mixture-of-experts model ({spec.num_experts} experts, "
             f"top-{spec.moe_router_topk}); the cost model counts the router and top-"
             f"{spec.moe_router_topk} experts per token and the token dispatch ({dispatch}), "
-            "and the plugin trains MoE under HDP with tensor or pipeline parallelism (not both "
-            "at once), with or without expert parallelism (docs/moe.md): "
+            "and the plugin trains MoE under HDP with tensor parallelism, pipeline parallelism "
+            "or both, with or without expert parallelism (docs/moe.md): "
             "an analytic estimate, not a measured layout")
 
 

@@ -1,4 +1,4 @@
-"""Per-rank body of the MoE-under-TP / PP test (4 gloo processes, ONE spawn for both layouts).
+"""Per-rank body of the MoE-under-TP / PP test (4 gloo processes, ONE spawn for all layouts).
 
 Reference: as in ``moe_cases`` (megatron-core's own local MoE GPT at TP = PP = 1 on every
 document alone, per-token loss, megatron-core's router losses of each document alone), computed
@@ -10,12 +10,15 @@ is re-initialised (``parallel_cases.switch_layout``) with
   of a document must be summed over the TP ranks as well as over the ring;
 * PP 2 x HDP 2 (one MoE layer per stage): the router losses of a stage's layer are attached in
   that stage's forward and reach the router in its backward, with 1F1B keeping several
-  micro-batches in flight.
+  micro-batches in flight;
+* TP 2 x PP 2 (HDP 1, sequence parallelism): both at once, each stage's TP pair summing its
+  counts over its own TP group; one HDP rank, so no rings: :func:`tp_pp_plan`'s packs and
+  documents alone, and the balance scheduler's plan.
 
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
-pipeline stage with the matching slice of the reference. A negative control runs the TP layout
-with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2 and PP 2 x EP 2
-(``moe_epp_cases``).
+pipeline stage with the matching slice of the reference. Negative controls run the TP and the
+TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2
+and PP 2 x EP 2 (``moe_epp_cases``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from .hdp_cases import CONTEXT, VOCAB, cost_model, grab_grads_before_step
+from .hdp_cases import (
+    CONTEXT,
+    VOCAB,
+    bytescale_config,
+    cost_model,
+    grab_grads_before_step,
+)
 from .moe_cases import MOE_LENGTHS, moe_config, moe_reference
 from .parallel_cases import (
     fresh_model,
@@ -43,6 +52,22 @@ PP_ROWS = [
     [("local", 0), ("ring", 1), ("local", 2), ("ring", 6), ("local", 4), ("local", 5)],
     [("local", 3), ("ring", 1), ("local", 7), ("ring", 6)],
 ]
+
+
+# TP 2 x PP 2 leaves one HDP rank, so no rings: its capacity holds the longest document (120)
+# and its six micro-batches are documents alone and packs of two
+TPP_CAPACITY = 128
+TPP_ROW = [(1,), (2, 4), (0, 3), (5,), (6,), (7,)]
+
+
+def tp_pp_plan(lengths: list[int]):
+    """The PP-2 plan of ``TPP_ROW`` on the one HDP rank that TP 2 x PP 2 leaves of 4 ranks."""
+    from megatron_bytescale.planner.plan import PlanBuilder
+
+    builder = PlanBuilder(hdp_size=1, capacity=TPP_CAPACITY, lengths=dict(enumerate(lengths)))
+    for seqs in TPP_ROW:
+        builder.add([0], list(seqs))
+    return builder.build(scheduler="manual", pp_size=2, layers_per_stage=1).validate()
 
 
 def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
@@ -98,6 +123,7 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
             "sequence_parallel": config.sequence_parallel,
             "ring_sizes": sorted(set(step.plan.ring_sizes())),
             "micro_batch_counts": step.plan.micro_batch_counts(),
+            "packs": sum(len(mb.seqs) > 1 for mb in step.plan.ranks[0].micro_batches),
             "loss_sum": record.loss_sum,
             "global_loss_tokens": record.global_loss_tokens,
             "grad_errors": errors,
@@ -131,6 +157,28 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
                                 ("pp manual aux", "aux", lambda _: manual)):
         config = moe_config(**CASES[case])
         step, record, errors = _step(config, references[case], sequences, planner, manager)
+        record_run(name, step, record, errors, manager, config)
+
+    # TP 2 x PP 2 (HDP 1), sequence parallelism: one pipeline of two TP pairs runs every
+    # micro-batch of the manual plan (packs included), and the balance scheduler's own plan
+    manager = switch_layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    tpp_balance = make_step_planner(
+        bytescale_config(capacity=TPP_CAPACITY, context_length=TPP_CAPACITY, scheduler="balance"),
+        hdp_size=manager.size, cost_model=cost_model(), pp_size=2)
+    tpp_manual = tp_pp_plan(MOE_LENGTHS)
+    for name, case, planner in (("tpp manual aux 0", "aux 0", lambda _: tpp_manual),
+                                ("tpp manual aux", "aux", lambda _: tpp_manual),
+                                ("tpp balance aux", "aux", tpp_balance),
+                                ("control: TP x PP counts not summed", "aux",
+                                 lambda _: tpp_manual)):
+        config = moe_config(**CASES[case], sequence_parallel=True)
+        saved = moe.tp_sum
+        if name.startswith("control"):
+            moe.tp_sum = lambda tensor, group: tensor
+        try:
+            step, record, errors = _step(config, references[case], sequences, planner, manager)
+        finally:
+            moe.tp_sum = saved
         record_run(name, step, record, errors, manager, config)
 
     # TP 2 x EP 2 and PP 2 x EP 2 (and a PP x EP stress) in the same processes

@@ -140,9 +140,8 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True),
          "--moe-router-enable-expert-bias"),
         ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
-                  pipeline_model_parallel_size=2, num_layers=4),
-         "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2 cannot be "
-         "combined with --num-experts"),
+                  pipeline_model_parallel_size=2, num_layers=4, expert_tensor_parallel_size=1),
+         "--expert-tensor-parallel-size 1"),
         ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
                   expert_tensor_parallel_size=1), "--expert-tensor-parallel-size 1"),
         ((), dict(num_experts=8, expert_model_parallel_size=3), "--expert-model-parallel-size 3"),
@@ -191,10 +190,12 @@ def test_interleaved_stages_pass_with_pipeline_parallelism(layout):
     ("allgather", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                        expert_tensor_parallel_size=2)),
     ("alltoall", dict(pipeline_model_parallel_size=2, num_layers=4)),
+    ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                      pipeline_model_parallel_size=2, num_layers=4)),
 ])
 def test_moe_flags_pass_with_expert_parallelism_1(dispatcher, layout):
     """--num-experts, top-k, the dispatcher and the aux-loss flags train under HDP (EP 1),
-    also with TP 2 (sequence parallelism, experts split like the dense layers) or PP 2."""
+    also with TP 2 (sequence parallelism, experts split like the dense layers), PP 2 or both."""
     args = megatron_namespace(
         "--bytescale-hdp", mock_data=True, **{**tiny_model_args(), **layout},
         num_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,

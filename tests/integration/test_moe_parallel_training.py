@@ -1,7 +1,8 @@
-"""MoE under HDP with TP 2 (sequence parallelism) and with PP 2, at expert parallelism 1 and 2,
-on 4 CPU ranks: every gradient equals megatron-core's single-process MoE.
+"""MoE under HDP with TP 2 (sequence parallelism), with PP 2 and with both (TP 2 x PP 2), at
+expert parallelism 1 (and 2 for TP and for PP), on 4 CPU ranks: every gradient equals
+megatron-core's single-process MoE.
 
-All four layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``
+All five layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``
 and ``moe_epp_cases.py``.
 """
 
@@ -18,6 +19,7 @@ TP_RUNS = ["tp alltoall aux 0", "tp alltoall aux", "tp allgather aux"]
 PP_RUNS = ["pp balance aux", "pp manual aux 0", "pp manual aux"]
 TP_EP_RUNS = ["tp ep manual aux 0", "tp ep manual aux", "tp ep balance aux"]
 PP_EP_RUNS = ["pp ep manual aux 0", "pp ep manual aux", "pp ep balance aux"]
+TPP_RUNS = ["tpp manual aux 0", "tpp manual aux", "tpp balance aux"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,16 @@ def test_the_layouts_and_plans_are_the_ones_meant(results):
         assert all(i["tp_size"] == 1 and i["pp_size"] == 2 for i in info)
         assert info[0]["ring_sizes"][-1] == 2
     assert results[0]["runs"]["pp manual aux"]["micro_batch_counts"] == [6, 4]
+    for run in TPP_RUNS:
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == 2 and i["pp_size"] == 2 and i["sequence_parallel"]
+                   for i in info), run
+        assert sorted((i["tp"], i["pp"]) for i in info) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert info[0]["ring_sizes"] == [1], run  # one HDP rank: no rings
+    # the manual plan: six micro-batches through both stages, two of them packs
+    assert results[0]["runs"]["tpp manual aux"]["micro_batch_counts"] == [6]
+    assert results[0]["runs"]["tpp manual aux"]["packs"] == 2
+    assert results[0]["runs"]["tpp balance aux"]["micro_batch_counts"][0] > 1
 
 
 def test_the_expert_parallel_layouts_and_plans_are_the_ones_meant(results):
@@ -69,11 +81,14 @@ def test_random_plans_train_at_pp_2_ep_2_without_deadlock(results):
     assert stress[0]["empty_slots"] > 0 and stress[0]["rings"] > 0
 
 
-@pytest.mark.parametrize("run", TP_RUNS + PP_RUNS + TP_EP_RUNS + PP_EP_RUNS)
+@pytest.mark.parametrize("run", TP_RUNS + PP_RUNS + TPP_RUNS + TP_EP_RUNS + PP_EP_RUNS)
 def test_moe_gradients_equal_megatron_alone(results, run):
     case = "aux 0" if run.endswith("aux 0") else "aux"
     # the loss of one TP rank / the last stage's HDP group is the whole batch's loss
-    if run.startswith("tp"):
+    if run.startswith("tpp"):  # TP x PP: the last stage's TP rank 0
+        holders = [r["runs"][run] for r in results
+                   if r["runs"][run]["tp"] == 0 and r["runs"][run]["pp"] == 1]
+    elif run.startswith("tp"):
         holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
     else:
         holders = [r["runs"][run] for r in results if r["runs"][run]["pp"] == 1]
@@ -88,16 +103,19 @@ def test_moe_gradients_equal_megatron_alone(results, run):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
     # every rank holds the routers and experts of its layers: 2 layers x 4 ranks (TP) or
-    # 1 layer x 4 ranks (PP); 4 experts (2 with EP 2) x 2 linears each
-    layers = 8 if run.startswith("tp") else 4
+    # 1 layer x 4 ranks (PP, TP x PP); 4 experts (2 with EP 2) x 2 linears each
+    layers = 8 if run.startswith("tp ") else 4
     local_experts = 2 if " ep " in run else 4
     assert routers == layers and experts == layers * local_experts * 2
 
 
-def test_the_gradient_check_catches_tp_counts_left_unsummed(results):
+@pytest.mark.parametrize("control", ["control: TP counts not summed",
+                                     "control: TP x PP counts not summed"])
+def test_the_gradient_check_catches_tp_counts_left_unsummed(results, control):
     """Each TP rank's own counts in the load-balancing loss move the router's gradient far
-    beyond the tolerance, so the TP equality above is not luck."""
-    worst = max(v for r in results
-                for n, v in r["runs"]["control: TP counts not summed"]["grad_errors"].items()
-                if ".mlp.router." in n)
-    assert worst > 100 * TOLERANCE
+    beyond the tolerance, so the TP (and TP x PP, on both stages) equality above is not luck."""
+    stages = {r["runs"][control]["pp"] for r in results}
+    for stage in stages:
+        worst = max(v for r in results if r["runs"][control]["pp"] == stage
+                    for n, v in r["runs"][control]["grad_errors"].items() if ".mlp.router." in n)
+        assert worst > 100 * TOLERANCE, (control, stage, worst)

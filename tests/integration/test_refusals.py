@@ -122,8 +122,8 @@ def test_sequence_longer_than_all_ranks_hold_is_refused_by_the_planner():
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
      "--expert-tensor-parallel-size 1"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
-          pipeline_dtype=torch.float32),
-     "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2"),
+          pipeline_dtype=torch.float32, expert_tensor_parallel_size=1),
+     "--expert-tensor-parallel-size 1"),
 ])
 def test_moe_settings_without_a_placement_independent_meaning_are_refused(changes, flag):
     """The model builder refuses them before building, naming the flag (docs/moe.md)."""
@@ -137,6 +137,27 @@ def test_moe_settings_without_a_placement_independent_meaning_are_refused(change
     with pytest.raises(ValueError, match=re.escape(flag)) as info:
         check_moe_config(TransformerConfig(**{**settings, **changes}))
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
+    dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+         pipeline_dtype=torch.float32),
+    dict(tensor_model_parallel_size=4, sequence_parallel=True, pipeline_model_parallel_size=4,
+         pipeline_dtype=torch.float32, expert_model_parallel_size=8,
+         moe_token_dispatcher_type="alltoall"),
+])
+def test_moe_trains_with_tensor_and_pipeline_parallelism(layout):
+    """TP, PP and TP x PP (the Mistral presets' TP 4 x PP 4, here with EP 8) pass the model
+    builder's MoE checks (the gradients: tests/integration/test_moe_parallel_training.py)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_bytescale.integration.moe import moe_refusals
+
+    settings = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_moe_experts=8,
+                    moe_router_topk=2, add_bias_linear=False, calculate_per_token_loss=True)
+    assert moe_refusals(TransformerConfig(**settings, **layout)) == []
 
 
 def test_expert_parallel_drivers_refuse_what_they_cannot_keep_in_step():

@@ -140,7 +140,8 @@ def test_cli_says_what_a_moe_preset_plan_is(capsys):
     assert main(base + ["--model", "mistral-8x7b"]) == 0
     out = capsys.readouterr().out
     assert "note: mistral-8x7b is a mixture-of-experts model (8 experts, top-2)" in out
-    assert "tensor or pipeline parallelism (not both at once), with or without expert parallelism" in out
+    assert ("tensor parallelism, pipeline parallelism or both, with or without expert "
+            "parallelism" in out)
     assert main(base + ["--model", "llama-7b"]) == 0
     assert "mixture-of-experts" not in capsys.readouterr().out
 
