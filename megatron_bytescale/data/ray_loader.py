@@ -50,6 +50,8 @@ RAY_MISSING = (
 
 _SHARED_ENV = ("RAY_AUTH_MODE",)
 """Environment that ``ray.init`` sets in the process that starts a local instance."""
+ACTOR_EXIT_TIMEOUT_S = 30.0
+"""How long :meth:`RayLoader.close` waits for the stopped actors to leave Ray's list."""
 
 
 class RayUnavailableError(ImportError):
@@ -331,4 +333,24 @@ class RayLoader:
                     self._ray.kill(actor)
                 except Exception:  # noqa: BLE001 - already dead
                     pass
+            self._wait_until_gone(timeout_s=ACTOR_EXIT_TIMEOUT_S)
+
+    def _wait_until_gone(self, *, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until no actor of this loader is listed any more:
+        ``ray.kill`` only asks, and a busy machine may take a while to end the process, so a
+        job that closed its loader would otherwise still find (and count) the actors."""
+        deadline = time.monotonic() + timeout_s
+        mine = set(self.names)
+        while True:
+            try:
+                listed = self._ray.util.list_named_actors(all_namespaces=True)
+            except Exception:  # noqa: BLE001 - Ray is down: nothing is left to wait for
+                return
+            if not mine & {a["name"] for a in listed if a.get("namespace") == self.options.namespace}:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning("Ray loader: actors %s still listed %.0f s after they were stopped",
+                               sorted(mine & {a["name"] for a in listed}), timeout_s)
+                return
+            time.sleep(0.05)
 
