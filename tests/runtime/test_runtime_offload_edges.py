@@ -329,3 +329,17 @@ def test_a_second_view_of_an_offloaded_storage_reloads_it_on_demand(x0):
     stats = offloader.end_step()
     assert stats.offloaded_tensors == 2  # y's storage (two views) and the layer input x
     assert (stats.prefetched_reloads, stats.on_demand_reloads) == (0, 2)
+
+
+def test_a_layer_whose_only_saved_tensor_it_offloads_still_starts_the_reload_below(x0):
+    """Four layers that each save only their own output: layers 0 and 1 offload theirs (new
+    storages), 2 and 3 keep theirs. Unpacking layer 1's offloaded output in backward must
+    start layer 0's reload ahead, as a resident tensor's unpacking does: no reload on demand."""
+    layers = torch.nn.ModuleList([Tanh(), Tanh(), Tanh(), Tanh()])
+    reference = gradients(layers, x0, None, 1.0)
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
+    grads = gradients(layers, x0, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    stats = offloader.end_step()
+    assert stats.offloaded_tensors == 2
+    assert (stats.prefetched_reloads, stats.on_demand_reloads) == (2, 0)
