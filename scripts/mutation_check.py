@@ -425,6 +425,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "already meets its target or its 2 % aim), so how many passes run cannot change the plan"),
     ("*balance.x_dp_balance__*", r"if n else|if \(n\)", "n >= 1 always (make_plan refuses hdp_size < 1)"),
     ("*dp_balance.x_makespan__*", r"if n else", "n >= 1 always (make_plan refuses hdp_size < 1)"),
+    ("*megatron_lm.x_check_args__*", r'getattr\(args, "bytescale_hdp", False\)  ->  .*getattr\(args, "bytescale_hdp", None\)',
+     "None is as false as False"),
     ("*dp_balance.x__place_ring__*", r"fewest_nodes\(len\(picked\), earliest=start\)  ->  .*fewest_nodes\(len\(picked\), \)",
      "earliest only lets a compact ring that starts at the load-only start skip the search on "
      "more nodes; no ring starts before that start, so the search cannot return an earlier one"),

@@ -175,6 +175,28 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", err)
 
 
+def test_only_rank_0_reports_a_refusal_and_every_rank_exits(capsys):
+    """With --bytescale-hdp too: rank 0 speaks for the job, the others exit without a word."""
+    for rank, said in ((3, False), (0, True)):
+        args = megatron_namespace("--bytescale-hdp", cuda_graph_impl="local", rank=rank,
+                                  **tiny_model_args(mock_data=True))
+        with pytest.raises(SystemExit) as exit_info:
+            megatron_lm.check_args(args)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert ("--cuda-graph-impl local" in err) if said else err == "", (rank, err)
+
+
+def test_arguments_without_any_bytescale_flag_are_left_to_megatron():
+    """A namespace built without the plugin's arguments (a loop that never added them) is
+    plain Megatron: no check, nothing refused."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(context_parallel_size=2, tensor_model_parallel_size=1)
+    assert megatron_lm.check_args(args) is None
+    assert vars(args) == dict(context_parallel_size=2, tensor_model_parallel_size=1)
+
+
 @pytest.mark.parametrize("layout", [
     dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
     dict(pipeline_model_parallel_size=4, num_layers=8, virtual_pipeline_model_parallel_size=2),
