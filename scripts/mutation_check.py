@@ -427,6 +427,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "already meets its target or its 2 % aim), so how many passes run cannot change the plan"),
     ("*balance.x_dp_balance__*", r"if n else|if \(n\)", "n >= 1 always (make_plan refuses hdp_size < 1)"),
     ("*dp_balance.x_makespan__*", r"if n else", "n >= 1 always (make_plan refuses hdp_size < 1)"),
+    ("*static.xǁ_FreeSpaceǁfirst_fit__*", r"return -1  ->  return -2",
+     "the only caller tests `leaf < 0`: any negative marker means no bin has room"),
     ("*megatron_lm.x_check_args__*", r'"bytescale_hdp", False\):  ->  .*"bytescale_hdp", None\):',
      "None is as false as False"),
     ("*dp_balance.x__place_ring__*", r"fewest_nodes\(len\(picked\), earliest=start\)  ->  .*fewest_nodes\(len\(picked\), \)",
