@@ -32,6 +32,16 @@ def gradients(layers, x0, offloader, ratio, num_tokens=T):
     return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
 
 
+def exact_offload_stats(layers, x0):
+    """The step's offload counters at ratio 1, after checking its gradients equal the run
+    without offload bit for bit."""
+    reference = gradients(layers, x0, None, 1.0)
+    offloader = ActivationOffloader(layers, min_tensor_bytes=0)
+    grads = gradients(layers, x0, offloader, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    return offloader.end_step()
+
+
 @pytest.fixture(scope="module")
 def x0():
     return torch.randn(T, 1, H, generator=torch.Generator().manual_seed(5))
@@ -277,11 +287,7 @@ def test_after_a_layer_that_saves_nothing_a_layer_reloads_on_demand_all_at_once(
     """Nothing is saved in layer 1, so no backward starts layer 0's reloads ahead: its first
     saved tensor used reloads all of layer 0's storages at once, each counted on demand."""
     layers = torch.nn.ModuleList([SavesThree(), torch.nn.Identity(), Tanh(), Tanh()])
-    reference = gradients(layers, x0, None, 1.0)
-    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
-    grads = gradients(layers, x0, offloader, 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
-    stats = offloader.end_step()
+    stats = exact_offload_stats(layers, x0)  # layers 0, 1 offloadable
     assert stats.offloaded_tensors == 3
     assert (stats.prefetched_reloads, stats.on_demand_reloads) == (0, 3)
 
@@ -322,11 +328,7 @@ def test_a_second_view_of_an_offloaded_storage_reloads_it_on_demand(x0):
     tensor backward asks for is the *second* view of ``y``'s storage: its handle must reach the
     micro-batch's reload, not only the first view's."""
     layers = torch.nn.ModuleList([SavesYThenAView(), torch.nn.Identity(), Tanh(), Tanh()])
-    reference = gradients(layers, x0, None, 1.0)
-    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
-    grads = gradients(layers, x0, offloader, 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
-    stats = offloader.end_step()
+    stats = exact_offload_stats(layers, x0)  # layers 0, 1 offloadable
     assert stats.offloaded_tensors == 2  # y's storage (two views) and the layer input x
     assert (stats.prefetched_reloads, stats.on_demand_reloads) == (0, 2)
 
@@ -336,10 +338,6 @@ def test_a_layer_whose_only_saved_tensor_it_offloads_still_starts_the_reload_bel
     storages), 2 and 3 keep theirs. Unpacking layer 1's offloaded output in backward must
     start layer 0's reload ahead, as a resident tensor's unpacking does: no reload on demand."""
     layers = torch.nn.ModuleList([Tanh(), Tanh(), Tanh(), Tanh()])
-    reference = gradients(layers, x0, None, 1.0)
-    offloader = ActivationOffloader(layers, min_tensor_bytes=0)  # layers 0, 1 offloadable
-    grads = gradients(layers, x0, offloader, 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
-    stats = offloader.end_step()
+    stats = exact_offload_stats(layers, x0)  # layers 0, 1 offloadable
     assert stats.offloaded_tensors == 2
     assert (stats.prefetched_reloads, stats.on_demand_reloads) == (2, 0)
