@@ -282,6 +282,7 @@ PLANNER_TESTS = ("tests/planner/test_planner_zigzag.py", "tests/planner/test_pla
                  "tests/planner/test_planner_validate.py")
 OFFLOAD_TESTS = ("tests/runtime/test_runtime_offload.py", "tests/runtime/test_runtime_offload_storage.py",
                  "tests/runtime/test_runtime_offload_classes.py", "tests/runtime/test_runtime_offload_edges.py",
+                 "tests/runtime/test_offload_storage_units.py",
                  "tests/integration/test_sequence_parallel_rows.py")
 _PLACEMENT = "tests/planner/test_topology_placement.py::"
 PLACEMENT_TESTS = tuple(_PLACEMENT + t for t in (
@@ -609,6 +610,20 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*offload.xǁMicroBatchOffloadǁ_unpack__*", r"self\._backward_layers\.add\(layer\)  ->  self\._backward_layers\.add\(None\)",
      "reload_layer pops the layer's list, so calling it again for the same layer finds nothing "
      "(saves only happen in forward): only the first call per layer starts reloads"),
+    # runtime/offload_storage.py
+    ("*offload_storage.x*", r"= torch\.empty\(0, dtype=[^)]*\)  ->  \w+ = torch\.empty\(1, ",
+     "the empty tensor only carries dtype and device: set_ then gives it another storage, size "
+     "and stride, so its own first size is never read"),
+    ("*offload_storage.x_storage_bytes__*", r"\(storage\.nbytes\(\),\), \(1,\)\)  ->  .*\(storage\.nbytes\(\),\), (None|)\)",
+     "set_ without a stride (or None) gives the contiguous stride, (1,) for one dimension"),
+    ("*offload_storage.xǁOffloadedStorageǁ__init____*", r"self\.base = 0  ->  self\.base = (None|1)",
+     "base is read only by view(), which runs after reload() or make_resident() has set it"),
+    ("*offload_storage.x__gaps__*", r"if p\.end <= at or p\.start >= hi:  ->  if (p\.end < at or p\.start >= hi|p\.end <= at or p\.start > hi):",
+     "a piece that ends exactly at `at` (or starts exactly at hi) adds no gap and leaves `at` "
+     "where the comparison left it: the same gaps either way"),
+    ("*offload_storage.xǁSavedActivationǁ__init____*", r"tracked: bool = False\) -> None:  ->  .*tracked: bool = True\)",
+     "every caller that leaves tracked out passes an offloaded storage, for which tracked is "
+     "ignored (tracked and storage is None); resident saves pass it explicitly"),
 ]
 
 # Survivors of a run that a test added after it kills (each planted by hand: the test fails):

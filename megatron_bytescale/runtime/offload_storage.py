@@ -94,7 +94,6 @@ class OffloadedStorage:
         byte ``base``."""
         self.base = 0
         self.ready: list[Any] = []
-        self.resident = False
 
     def is_storage(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` is the very storage this copy was made from (still alive)."""
@@ -102,7 +101,8 @@ class OffloadedStorage:
 
     @property
     def needs_reload(self) -> bool:
-        return not self.resident and self.full is None
+        """Neither reloaded nor kept on the device (both set :attr:`full`)."""
+        return self.full is None
 
     def unheld_bytes(self, lo: int, hi: int) -> int:
         """How many bytes of ``[lo, hi)`` no piece holds yet."""
@@ -170,7 +170,6 @@ class OffloadedStorage:
             else:
                 owner.untrack_storage(p.tail)
         self.pieces = []
-        self.resident = True
         self.base = 0
         self.full = storage_bytes(tensor.untyped_storage(), tensor.device)
         owner.track_storage(self.full)
