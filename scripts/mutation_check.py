@@ -610,6 +610,44 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*offload.xǁMicroBatchOffloadǁ_unpack__*", r"self\._backward_layers\.add\(layer\)  ->  self\._backward_layers\.add\(None\)",
      "reload_layer pops the layer's list, so calling it again for the same layer finds nothing "
      "(saves only happen in forward): only the first call per layer starts reloads"),
+    # planner/schedulers/balance.py: the choice among candidates (skips by a floor, ties)
+    ("*.balance.x_*", r"floor > best\[0\] \* \(1 \+ 1e-9\):  ->  .*floor (>= best\[0\] \* \(1 \+ 1e-9\)|> best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)):",
+     "skips less (or also at equality, where the candidate cannot win: its step is at least its floor "
+     "and ties go to the earlier one): the same winner with more estimates; "
+     "test_balance_candidate_choice.py plans every case with and without skipping"),
+    ("*.balance.x_*", r"floor > best\[0\] \* \(1 \+ 1e-9\):  ->  .*floor > best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\)):",
+     TOLERANCE),
+    ("*.balance.x__best_pp_plan__*", r"^continue  ->  break$",
+     "both loops run in floor order (options sorted by their floor, candidates by theirs): once a "
+     "floor is above the best step every later one is too"),
+    ("*.balance.x__plan_balance__*", r"^continue  ->  break$",
+     "the unit sets run in floor order: once a floor is above the best step every later one is too"),
+    ("*.balance.x__best_pp_plan__*", r"sorted\(ranked, key=lambda c: \(c\[0\], c\[1\]\)\)\):  ->  .*sorted\(ranked, (key=None|key=lambda c: \(c\[1\], c\[1\]\)|key=lambda c: \(c\[0\], c\[2\]\)|)\)",
+     "the order only decides what is skipped, and a skip only drops a candidate that cannot win: "
+     "the winner is the least (step, index) in any order (key=None sorts by floor, then the unique index)"),
+    ("*.balance.x__plan_balance__*", r"options\.sort\(key=lambda o: \(o\[0\], o\[1\]\)\)  ->  options\.sort\((key=None|key=lambda o: \(o\[1\], o\[1\]\)|key=lambda o: \(o\[0\], o\[2\]\))\)",
+     "the order only decides what is skipped, and a skip only drops a unit set that cannot win: "
+     "the winner is the least (step, index) in any order (key=None sorts by floor, then the unique index)"),
+    ("*.balance.x_*", r"(key|\(step, index\)) < best\[:2\]:  ->  .*(key|\(step, index\)) (<= best\[:2\]|< best\[:3\]):",
+     "keys are unique (each holds the candidate's or set's own index), so < and <= agree, and a key "
+     "never equals best[:2] (the longer best[:3] compares as best[:2] then)"),
+    ("*.balance.x__best_pp_plan__*", r"^count = 0  ->  count = 1$|^count \+= 1  ->  count \+= 2$",
+     "count only numbers the candidates in list order: any increasing numbering ranks them the same"),
+    ("*.balance.x__best_pp_plan__*", r"^count \+= 1  ->  count = 1$",
+     "the numbering decides only between candidates whose estimates tie to the last bit and whose "
+     "1F1B floors differ (identical placements have identical floors)"),
+    ("*.balance.x__best_pp_plan__*", r"emit_plan\(replace\(request, pieces=False\), placements, scheduler=NAME\)  ->  ",
+     "finish_times reads only the estimate's per-rank times, which neither the scheduler's name nor "
+     "the pieces change"),
+    ("*.balance.x__units_floor__*", r"default=0\.0\)\)  ->  .*default=1\.0\)\)",
+     "units is never empty (make_plan refuses an empty batch)"),
+    ("*.balance.x__units_floor__*", r"if cm\.two_level_ring or request\.topology is not None or cm\.p2p_bandwidth_inter > cm\.p2p_bandwidth_intra:  ->  ",
+     "the guard is stricter than the bound needs: a unit's own time is costed on its fewest nodes, "
+     "so with a node map or two-level rings it is not above its placed time either, and when the "
+     "network is exactly as fast the floor is still a bound; test_balance_candidate_choice.py "
+     "plans those cases with and without skipping"),
+    ("*.balance.x_*", r"if request\.ep_size > 1 and request\.even_expert_slots and request\.pp_size (==|>) 1:  ->  if request\.ep_size >= 1 ",
+     "even_expert_slots returns a plan without expert groups (ep_size 1) unchanged"),
     # runtime/offload_storage.py
     ("*offload_storage.x*", r"= torch\.empty\(0, dtype=[^)]*\)  ->  \w+ = torch\.empty\(1, ",
      "the empty tensor only carries dtype and device: set_ then gives it another storage, size "
@@ -630,7 +668,36 @@ EQUIVALENT: list[tuple[str, str, str]] = [
 # (mutant-name glob, regex on "original  ->  mutated", the test). A rerun of the target drops
 # them from the survivors; until then the table says which test kills them.
 _EDGES = "tests/runtime/test_runtime_offload_edges.py::"
+_CHOICE = "tests/planner/test_balance_candidate_choice.py::"
 KILLED_SINCE: list[tuple[str, str, str]] = [
+    ("*.balance.x__plan_balance__*", r"floor > best\[0\] \* \(1 \+ 1e-9\):  ->  .*floor > best\[1\]",
+     _CHOICE + "test_skipping_by_the_floors_never_changes_the_plan"),
+    ("*.balance.x__units_floor__*", r"return 0\.0  ->  return 1\.0",
+     _CHOICE + "test_skipping_by_the_floors_never_changes_the_plan"),
+    ("*.balance.x__best_dp_assignment__*", r"ctx\.nodes\)\[0\]  ->  ",
+     _CHOICE + "test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes"),
+    ("*.balance.x__best_pp_plan__*", r"ctx\.nodes\)\[0\]  ->  .*(None\)|, \))\[0\]",
+     _CHOICE + "test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes"),
+    ("*.balance.x__best_pp_plan__*", r"if u\.ring_size == 1\), ctx\.nodes\)\[0\]  ->  .*if u\.ring_size != 1\)",
+     _CHOICE + "test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes"),
+    ("*.balance.x__best_pp_plan__*", r"pool\.append\(\(\"fill\", fill, 0, base\)\)  ->  ",
+     _CHOICE + "test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes"),
+    ("*.balance.x__best_pp_plan__*", r"moved = short_first\(placements, units_of\)  ->  moved = None",
+     _CHOICE + "test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages"),
+    ("*.balance.x__best_pp_plan__*", r"candidates\.append\(\(name \+ \"\+short-first\", moved, grown, units_of\)\)  ->  ",
+     _CHOICE + "test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages"),
+    ("*.balance.x__best_pp_plan__*", r"fill_drain=request\.pp_size - 1, \*\*kw\), widened, units\)\]  ->  ",
+     _CHOICE + "test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages"),
+    ("*.balance.x__best_pp_plan__*", r"if request\.ep_size > 1 and request\.even_expert_slots and request\.pp_size == 1:  ->  ",
+     _CHOICE + "test_expert_group_plans_are_evened_once_and_named_balance"),
+    ("*.balance.x__best_pp_plan__*", r"plan = even_expert_slots\(plan, request, ctx\.cost_model, NAME\)  ->  ",
+     _CHOICE + "test_expert_group_plans_are_evened_once_and_named_balance"),
+    ("*.balance.x__plan_balance__*", r"if request\.ep_size > 1 and request\.even_expert_slots and request\.pp_size > 1:  ->  ",
+     _CHOICE + "test_expert_group_plans_are_evened_once_and_named_balance"),
+    ("*.balance.x__plan_balance__*", r"plan = even_expert_slots\(plan, request, cost_model, NAME\)  ->  ",
+     _CHOICE + "test_expert_group_plans_are_evened_once_and_named_balance"),
+    ("*.balance.x__plan_balance__*", r"if request\.pp_size > 1 or request\.ep_size > 1:  .*  ->  .*request\.ep_size > 2:",
+     "tests/planner/test_ep_slots.py"),
     ("*offload.xǁMicroBatchOffloadǁ_host_bytes__*",
      r"if record is not None and not self\._eligible\(tensor\):  ->  if record is None and",
      _EDGES + "test_a_small_view_of_an_offloaded_storage_moves_no_bytes_of_its_own"),
