@@ -186,6 +186,11 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
 
     run_ep_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
 
+    # expert-tensor parallelism other than TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2)
+    from .moe_etp_cases import run_etp_layouts
+
+    run_etp_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
