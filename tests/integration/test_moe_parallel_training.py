@@ -1,7 +1,7 @@
 """MoE under HDP with TP 2 (sequence parallelism), with PP 2 and with both (TP 2 x PP 2), at
 expert parallelism 1 (and 2 for TP and for PP), and with expert-tensor parallelism other than
 TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2), on 4 CPU ranks: every gradient equals
-megatron-core's single-process MoE.
+megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
 
 All eight layouts share ONE 4-process spawn (module-scoped fixture); see
 ``moe_parallel_cases.py``, ``moe_epp_cases.py`` and ``moe_etp_cases.py``.
@@ -165,3 +165,21 @@ def test_moe_gradients_equal_megatron_alone_with_expert_tensor_parallelism(resul
     # 2 layers x 4 ranks, each holding 4 / EP experts (split over ETP ranks) x 2 linears
     assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
 
+
+def test_the_logged_router_losses_at_tp_2_are_the_documents_own_weighted_by_tokens(results):
+    """At TP 2 with sequence parallelism each TP rank holds its rows' share of every router loss:
+    Megatron-LM's logged values (reduced over TP x HDP) equal megatron-core's log of each
+    document alone, weighted by tokens, within 1e-5 on every rank; reduced over the HDP group
+    alone (the all-gather run, a negative control) they miss the other TP rank's share."""
+    reference = results[0]["reference_log"]
+    assert set(reference) == {"load_balancing_loss", "z_loss"}
+    assert all(v > 0 for v in reference.values())
+    for r in results:
+        log = r["runs"]["tp alltoall aux"]["log"]
+        assert set(log) == set(reference), log
+        for name, value in reference.items():
+            assert abs(log[name] - value) / value <= TOLERANCE, (r["rank"], name, log[name], value)
+        control = r["runs"]["tp allgather aux"]["log"]
+        assert set(control) == set(reference), control
+        for name, value in reference.items():
+            assert abs(control[name] - value) / value > 100 * TOLERANCE, (r["rank"], name)
