@@ -16,10 +16,12 @@ every micro-batch its own ring, of any size, on any ranks (DESIGN.md D1-D3):
   :class:`HDPRankMap` reads this process's place in that layout from Megatron's own process
   groups (never from rank arithmetic) and checks that every TP rank and stage of a model
   replica has the same HDP rank, so all of them run the same row of the plan.
-* Expert parallelism (``--expert-model-parallel-size E``) is megatron-core's own: its expert
-  groups are carved out of the HDP ranks (E consecutive HDP ranks, checked by
-  :meth:`HDPRankMap.check_expert_groups`), expert gradients reduce over its
-  expert-data-parallel group. The plan keeps an expert group in step (``StepPlan.ep_size``).
+* Expert parallelism (``--expert-model-parallel-size E``, ``--expert-tensor-parallel-size``)
+  is megatron-core's own: its expert groups (ETP x E consecutive ranks of a stage) are carved
+  out of the HDP ranks, each spanning :func:`.expert_layout.expert_lockstep_size` consecutive
+  HDP ranks
+  (checked by :meth:`HDPRankMap.check_expert_groups`); expert gradients reduce over its
+  expert-data-parallel group. The plan keeps those HDP ranks in step (``StepPlan.ep_size``).
 * :class:`HDPGroupManager` wraps the group in the runtime's ``HDPGroup`` and holds the
   micro-batch that is running *now*. The schedule driver binds each micro-batch
   (:meth:`HDPGroupManager.bind`) around its forward and backward; ``ByteScaleCoreAttention``
@@ -39,6 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .config import RefusedArguments
+from .expert_layout import expert_lockstep_refusal, expert_lockstep_size
 
 if TYPE_CHECKING:  # runtime types, imported lazily at run time
     from megatron_bytescale.runtime import CommCounters, HDPGroup, MicroBatchTensors
@@ -70,6 +73,7 @@ class HDPParallelLayout:
     context_parallel_size: int = 1
     hybrid_context_parallel: bool = False
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     num_attention_heads: Optional[int] = None
     num_query_groups: Optional[int] = None
 
@@ -138,13 +142,35 @@ class HDPParallelLayout:
             reasons.append(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
             )
-        elif sizes_ok and ep > 1 and self.hdp_size % ep:
-            reasons.append(
+        elif sizes_ok and ep >= 1:
+            reasons += self._expert_refusals()
+        return reasons
+
+    def _expert_refusals(self) -> list[str]:
+        tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size or tp
+        if etp < 1:
+            return [f"--expert-tensor-parallel-size ({etp}) must be >= 1"]
+        if ep == 1 and etp == tp:
+            return []
+        why = expert_lockstep_refusal(tp, etp, ep)
+        if why:
+            return [why]
+        block = expert_lockstep_size(tp, etp, ep)
+        if self.hdp_size % block == 0:
+            return []
+        if etp == tp:
+            return [
                 f"--expert-model-parallel-size {ep} does not divide the {self.hdp_size} HDP ranks "
                 "(world size / (TP x PP)): expert groups are carved out of the HDP ranks; choose "
                 "a divisor of the HDP size"
-            )
-        return reasons
+            ]
+        return [
+            f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} / "
+            f"--tensor-model-parallel-size {tp} = {block} HDP ranks per expert group does not "
+            f"divide the {self.hdp_size} HDP ranks (world size / (TP x PP)): expert groups are "
+            "carved out of the HDP ranks; choose sizes whose expert groups tile them"
+        ]
 
     @property
     def hdp_size(self) -> int:
@@ -168,6 +194,9 @@ class HDPParallelLayout:
             context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
             hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
             expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            expert_tensor_parallel_size=(
+                int(etp) if (etp := getattr(args, "expert_tensor_parallel_size", None)) else None
+            ),
             num_attention_heads=int(heads) if heads else None,
             num_query_groups=(
                 int(groups) if groups and getattr(args, "group_query_attention", False) else None
@@ -217,29 +246,48 @@ class HDPRankMap:
     ep_global_ranks: tuple[int, ...] = ()
     """This rank's expert-parallel group (Megatron's), in expert-rank order; empty or one rank
     without expert parallelism."""
+    tp_ep_global_ranks: tuple[int, ...] = ()
+    """This rank's expert tensor-and-expert-parallel group (Megatron's, ETP x EP ranks): every
+    rank its MoE layers exchange tokens with. Empty: ETP = TP assumed (E x TP ranks)."""
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """Megatron's expert-parallel size (``--expert-model-parallel-size``)."""
+        return max(1, len(self.ep_global_ranks))
 
     @property
     def ep_size(self) -> int:
-        return max(1, len(self.ep_global_ranks))
+        """HDP ranks one expert group spans (:func:`expert_lockstep_size`), the plan's
+        ``ep_size``: ``max(1, ETP x EP / TP)``, with ETP x EP read from Megatron's group."""
+        group = len(self.tp_ep_global_ranks) or self.expert_model_parallel_size * self.tp_size
+        return max(1, group // self.tp_size)
 
-    def check_expert_groups(self) -> None:
-        """Raise RuntimeError unless this rank's expert group is the block of HDP ranks the plan
-        assumes (``StepPlan.ep_size``: HDP ranks ``g*E .. g*E+E-1``, in that order).
+    def check_expert_groups(self, rows: list[tuple[int, int, int]]) -> None:
+        """Raise RuntimeError unless this rank's expert group covers exactly the HDP ranks the
+        plan keeps in step (``StepPlan.ep_size`` = E': HDP ranks ``g*E' .. g*E'+E'-1``).
 
-        Megatron carves expert groups out of DP x CP; with CP = 1 and its default order
-        (``tp-cp-ep-dp-pp``) they are consecutive data-parallel ranks. Another order would pair
-        ranks the plan does not keep in step, so it is refused here rather than hang."""
-        e = self.ep_size
-        if e == 1:
+        ``rows``: every global rank's (HDP rank, TP rank, stage), from :meth:`verify`.
+        Megatron lays expert ranks out as ``tp-ep-dp-pp`` (tp = ETP): its tensor-and-expert
+        group is ETP x EP consecutive ranks of a stage, i.e. whole HDP ranks (TP ranks each) or
+        a part of one. Another order, or sizes that do not divide one another, would tie ranks
+        the plan does not keep in step, so they are refused here rather than hang."""
+        members = self.tp_ep_global_ranks or self.ep_global_ranks
+        if len(members) <= 1:
             return
+        e = self.ep_size
         first = self.hdp_rank - self.hdp_rank % e
-        wanted = tuple(self.hdp_global_ranks[first:first + e])
-        if tuple(self.ep_global_ranks) != wanted:
+        wanted = set(range(first, first + e))
+        found = {rows[r][0] for r in members}
+        stages = {rows[r][2] for r in members}
+        size = len(members)
+        if found != wanted or stages != {self.pp_rank} or (size % self.tp_size
+                                                           and self.tp_size % size):
             raise RuntimeError(
-                f"Megatron's expert-parallel group of global rank {self.global_rank} is "
-                f"{list(self.ep_global_ranks)}; HDP plans expert groups as consecutive HDP ranks "
-                f"({list(wanted)} here); initialise Megatron with its default rank order "
-                "(tp-cp-ep-dp-pp) and --expert-tensor-parallel-size equal to the TP size"
+                f"Megatron's expert group (tensor-and-expert-parallel) of global rank "
+                f"{self.global_rank} is {list(members)}, on HDP ranks {sorted(found)}; HDP keeps "
+                f"consecutive HDP ranks in step ({sorted(wanted)} here); initialise Megatron with "
+                "its default rank order (tp-cp-ep-dp-pp) and --expert-tensor-parallel-size x "
+                "--expert-model-parallel-size a multiple or a divisor of the TP size"
             )
 
     @property
@@ -280,6 +328,7 @@ class HDPRankMap:
             tp_global_ranks=ranks(ps.get_tensor_model_parallel_group()),
             pp_global_ranks=ranks(ps.get_pipeline_model_parallel_group()),
             ep_global_ranks=ranks(ps.get_expert_model_parallel_group()),
+            tp_ep_global_ranks=ranks(ps.get_expert_tensor_and_model_parallel_group()),
         )
 
     def verify(self) -> list[tuple[int, int, int]]:
@@ -403,8 +452,9 @@ class HDPGroupManager:
             )
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         rank_map = HDPRankMap.from_megatron()
-        rank_map.check_expert_groups()
-        ring_group = new_ring_groups(HDPRankMap.hdp_groups(rank_map.verify()), timeout=timeout)
+        rows = rank_map.verify()
+        rank_map.check_expert_groups(rows)
+        ring_group = new_ring_groups(HDPRankMap.hdp_groups(rows), timeout=timeout)
         return cls(
             HDPGroup(group, ring_group=ring_group), attention_backend=attention_backend,
             dkv_wire=dkv_wire, rank_map=rank_map,
@@ -422,8 +472,14 @@ class HDPGroupManager:
 
     @property
     def ep_size(self) -> int:
-        """Expert-parallel size (1 without a rank map): the plan's ``ep_size``."""
+        """HDP ranks one expert group spans, which run the same slots (1 without a rank map):
+        the plan's ``ep_size`` (:func:`expert_lockstep_size`; with ETP = TP, the EP size)."""
         return self.rank_map.ep_size if self.rank_map is not None else 1
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """Megatron's ``--expert-model-parallel-size`` (1 without a rank map)."""
+        return self.rank_map.expert_model_parallel_size if self.rank_map is not None else 1
 
     @property
     def rank(self) -> int:
@@ -533,6 +589,7 @@ def initialize_hdp_model_parallel(
         context_parallel_size=context_parallel_size,
         hybrid_context_parallel=hybrid_context_parallel,
         expert_model_parallel_size=megatron_kwargs.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=megatron_kwargs.get("expert_tensor_parallel_size"),
     )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -218,6 +218,8 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
     reasons += _virtual_stage_refusals(args) + seq_split_refusals(args)
     reasons += _data_flag_refusals(args)
     reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
+    # the layout and the MoE settings both refuse expert sizes that do not divide TP: say it once
+    reasons = list(dict.fromkeys(reasons))
     if reasons or layout is None:
         raise RefusedArguments(reasons)
     return layout

@@ -30,11 +30,10 @@ Refused (each message names its flag): token dropping (``--moe-expert-capacity-f
 tokens an expert drops depends on the micro-batch), the sequence-level and global-batch
 aux-loss types and Sinkhorn routing (their groups assume Megatron's static DP x CP
 micro-batches), expert bias and input jitter (they count or perturb padding rows), expert
-parallelism that does not divide the HDP ranks or runs with virtual pipeline stages
-(``HDPParallelLayout``), the all-gather dispatcher with expert parallelism, an expert
-tensor-parallel size other than the TP size, and TP and PP together (MoE gradients are checked
-against megatron-core at TP 2 with sequence parallelism and at PP 2, each at EP 1 and 2, not
-in these layouts).
+parallelism whose expert groups do not tile the HDP ranks or that runs with virtual pipeline
+stages (``HDPParallelLayout``), the all-gather dispatcher with expert parallelism, and expert
+tensor- x expert-parallel sizes that do not divide, or are not divided by, the TP size (an
+expert group would then hold part of an HDP rank's TP group; ``expert_layout``).
 
 With sequence parallelism (which megatron-core requires for MoE with TP) a TP rank routes only
 its share of a micro-batch's rows; the per-expert counts of a document are then summed over
@@ -49,6 +48,8 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
+
+from .expert_layout import expert_lockstep_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,10 @@ def moe_refusals(settings: Any) -> list[str]:
         )
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
     etp = getattr(settings, "expert_tensor_parallel_size", None) or tp  # Megatron: unset = TP
-    if etp != tp:
-        reasons.append(
-            f"--expert-tensor-parallel-size {etp} cannot be combined with --num-experts under "
-            f"--bytescale-hdp: MoE trains under HDP with the experts split like the dense "
-            f"layers; leave it unset or set it to --tensor-model-parallel-size {tp}"
-        )
     ep = getattr(settings, "expert_model_parallel_size", 1) or 1
+    lockstep = expert_lockstep_refusal(tp, etp, ep)
+    if lockstep:
+        reasons.append(lockstep)
     dispatcher = getattr(settings, "moe_token_dispatcher_type", "alltoall")
     if ep > 1 and dispatcher != "alltoall":
         reasons.append(

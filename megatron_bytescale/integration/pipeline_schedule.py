@@ -221,9 +221,10 @@ def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
         if split:
             raise ValueError(
                 f"step {step.index}: the plan splits ring micro-batches (orders {split[:5]}) into "
-                f"chunks, which --expert-model-parallel-size {manager.ep_size} does not run (the "
-                "pipelines of an expert group must run their backwards in the same order); plan "
-                "without chunks (no --bytescale-seq-split)"
+                "chunks, which --expert-model-parallel-size "
+                f"{getattr(manager, 'expert_model_parallel_size', manager.ep_size)} does not run "
+                "(the pipelines of an expert group must run their backwards in the same "
+                "order); plan without chunks (no --bytescale-seq-split)"
             )
     return slots
 

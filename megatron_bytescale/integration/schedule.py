@@ -376,9 +376,10 @@ def check_plan_experts(step: "HDPStep", manager: HDPGroupManager) -> int:
     ep = getattr(manager, "ep_size", 1)
     if step.plan.ep_size != ep:
         raise ValueError(
-            f"step {step.index}: the plan was made for expert-parallel size {step.plan.ep_size}, "
-            f"this run has --expert-model-parallel-size {ep}; build the planner with "
-            f"ep_size={ep} (make_step_planner(..., ep_size=...))"
+            f"step {step.index}: the plan was made for expert groups of {step.plan.ep_size} HDP "
+            f"rank(s), this run's span {ep} (--expert-tensor-parallel-size x "
+            "--expert-model-parallel-size / TP); build the planner with "
+            f"ep_size={ep} (make_step_planner(..., ep_size=manager.ep_size))"
         )
     return expert_slots(step.plan, step.hdp_rank)
 
@@ -401,7 +402,8 @@ def _run_interleaved(step: "HDPStep", *, model: Any, config: Any, manager: HDPGr
     from .pipeline_interleaved import run_interleaved_micro_batches
 
     if getattr(manager, "ep_size", 1) > 1:
-        raise ValueError(f"--expert-model-parallel-size {manager.ep_size} does not run with interleaved "
+        ep = getattr(manager, "expert_model_parallel_size", manager.ep_size)
+        raise ValueError(f"--expert-model-parallel-size {ep} does not run with interleaved "
                          "pipeline stages (--virtual-pipeline-model-parallel-size) under HDP; train "
                          "without virtual stages or with --expert-model-parallel-size 1")
     if offloader is not None:
@@ -545,7 +547,8 @@ def check_model_config(config: Any, manager: Optional[HDPGroupManager] = None) -
             "HDP group"
         )
     model_ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
-    run_ep = getattr(manager, "ep_size", 1) if manager is not None else model_ep
+    run_ep = (getattr(manager, "expert_model_parallel_size", getattr(manager, "ep_size", 1))
+              if manager is not None else model_ep)
     if getattr(config, "num_moe_experts", None) and model_ep != run_ep:
         raise ValueError(
             f"the model is built for expert_model_parallel_size {model_ep}, but Megatron runs "

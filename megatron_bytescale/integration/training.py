@@ -87,6 +87,8 @@ def make_transformer_config(
         if overrides.get("num_moe_experts"):
             settings["expert_model_parallel_size"] = (
                 parallel_state.get_expert_model_parallel_world_size())
+            settings["expert_tensor_parallel_size"] = (
+                parallel_state.get_expert_tensor_parallel_world_size())
     settings.update(overrides)
     if not settings["calculate_per_token_loss"]:
         raise ValueError("HDP needs calculate_per_token_loss=True")

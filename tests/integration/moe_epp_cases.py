@@ -38,8 +38,8 @@ EP_ROWS = [
 ]
 
 
-def ep_rows_plan(lengths: list[int], *, pp_size: int = 1, rows=EP_ROWS):
-    """The plan of ``rows`` on 2 HDP ranks with ``ep_size`` 2 (rings at one slot on both)."""
+def ep_rows_plan(lengths: list[int], *, pp_size: int = 1, rows=EP_ROWS, ep_size: int = EP):
+    """The plan of ``rows`` on 2 HDP ranks with ``ep_size`` (2: rings at one slot on both)."""
     from megatron_bytescale.planner.plan import PlanBuilder
 
     builder = PlanBuilder(hdp_size=2, capacity=CAPACITY, lengths=dict(enumerate(lengths)))
@@ -52,7 +52,7 @@ def ep_rows_plan(lengths: list[int], *, pp_size: int = 1, rows=EP_ROWS):
                 elif rank == 0:
                     builder.add([0, 1], list(seqs))
     extra = dict(pp_size=pp_size, layers_per_stage=1) if pp_size > 1 else {}
-    return builder.build(scheduler="manual", ep_size=EP, **extra).validate()
+    return builder.build(scheduler="manual", ep_size=ep_size, **extra).validate()
 
 
 def stress_batches(count: int, seed: int = 11) -> list[list[list[int]]]:

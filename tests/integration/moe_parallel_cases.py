@@ -35,7 +35,7 @@ from .hdp_cases import (
     cost_model,
     grab_grads_before_step,
 )
-from .moe_cases import MOE_LENGTHS, moe_config, moe_reference
+from .moe_cases import LOG_NAMES, MOE_LENGTHS, moe_config, moe_reference, moe_reference_log
 from .parallel_cases import (
     fresh_model,
     gradient_errors,
@@ -86,24 +86,52 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
         for name, case in CASES.items():
             loss, grads = moe_reference(moe_config(**case), state, sequences)
             payload[0][name] = {"state": state, "loss": loss, "grads": grads}
+        payload[0]["aux"]["log"] = moe_reference_log(moe_config(**CASES["aux"]), state, sequences)
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
 
 
-def _step(config, reference, sequences, planner, manager) -> tuple[Any, Any, dict[str, float]]:
+def _step(config, reference, sequences, planner, manager, *, keep: dict | None = None
+          ) -> tuple[Any, Any, dict[str, float]]:
+    """One HDP step of a fresh model with the reference weights: (step, record, gradient
+    errors); ``keep["model"]`` receives the DDP model when ``keep`` is given."""
     from megatron_bytescale.data.hdp_iterator import HDPDataIterator
     from megatron_bytescale.integration.schedule import run_hdp_step
 
     ddp, optimizer = fresh_model(config, reference)
+    if keep is not None:
+        keep["model"] = ddp
     step = next(HDPDataIterator([sequences], planner=planner, hdp=manager.hdp))
     grads = grab_grads_before_step(ddp, optimizer)
     record = run_hdp_step(step, model=ddp, optimizer=optimizer, manager=manager)
     return step, record, gradient_errors(ddp.module, grads, reference)
 
 
+def logged_router_losses(model, step, config, *, hdp_group_only: bool = False
+                         ) -> dict[str, float]:
+    """What Megatron-LM's log line shows for the step's router losses (recorded as the
+    Megatron-LM step does, one micro-batch nominal, through megatron-core's own reduction).
+    ``hdp_group_only``: reduce over the HDP group instead of TP x HDP (a negative control)."""
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.integration import moe
+    from megatron_bytescale.integration.compat import report_moe_log
+
+    saved = parallel_state.get_tensor_and_data_parallel_group
+    if hdp_group_only:
+        parallel_state.get_tensor_and_data_parallel_group = (
+            lambda *a, **k: parallel_state.get_data_parallel_group())
+    try:
+        moe.record_router_loss_logs(model, scale=1.0 / step.total_tokens)
+    finally:
+        parallel_state.get_tensor_and_data_parallel_group = saved
+    return report_moe_log(LOG_NAMES, num_layers=config.num_layers)
+
+
 def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from megatron_bytescale.integration import moe
+    from megatron_bytescale.integration.compat import clear_moe_log_tracker
     from megatron_bytescale.integration.planning import make_step_planner
     from megatron_bytescale.testing.cpu_compat import enable_cpu_megatron
 
@@ -113,7 +141,7 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     references = _reference_phase(sequences)
     out: dict[str, Any] = {"rank": rank,
                            "reference_loss": {k: v["loss"] for k, v in references.items()},
-                           "runs": {}}
+                           "reference_log": references["aux"]["log"], "runs": {}}
 
     def record_run(name, step, record, errors, manager, config) -> None:
         out["runs"][name] = {
@@ -136,16 +164,24 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     tp_runs = [("tp alltoall aux 0", "aux 0", "alltoall"), ("tp alltoall aux", "aux", "alltoall"),
                ("tp allgather aux", "aux", "allgather"),
                ("control: TP counts not summed", "aux", "alltoall")]
+    kept: dict[str, Any] = {}
     for name, case, dispatcher in tp_runs:
         config = moe_config(**CASES[case], dispatcher=dispatcher, sequence_parallel=True)
         saved = moe.tp_sum
         if name.startswith("control"):
             moe.tp_sum = lambda tensor, group: tensor
         try:
-            step, record, errors = _step(config, references[case], sequences, balance, manager)
+            clear_moe_log_tracker()
+            step, record, errors = _step(config, references[case], sequences, balance, manager,
+                                         keep=kept)
         finally:
             moe.tp_sum = saved
         record_run(name, step, record, errors, manager, config)
+        if case == "aux" and not name.startswith("control"):
+            # Megatron-LM's logged router losses; the all-gather run logs as a negative control
+            # through the HDP group alone (each TP rank's rows' share left unsummed)
+            out["runs"][name]["log"] = logged_router_losses(
+                kept["model"], step, config, hdp_group_only=dispatcher == "allgather")
 
     # PP 2 x HDP 2: the balance scheduler's plan and a manual one with uneven counts and a ring
     manager = switch_layout(pipeline_model_parallel_size=2)
@@ -185,6 +221,11 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from .moe_epp_cases import run_ep_layouts
 
     run_ep_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
+    # expert-tensor parallelism other than TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2)
+    from .moe_etp_cases import run_etp_layouts
+
+    run_etp_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
 
     from megatron.core import parallel_state
 

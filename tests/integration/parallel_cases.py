@@ -121,21 +121,26 @@ def global_expert_name(model, name: str) -> str:
     return f"{name[:match.start()]}.local_experts.{index}.{name[match.end():]}"
 
 
-def shard(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This TP rank's slice of a full (TP 1) tensor, as Megatron splits ``param``."""
-    from megatron.core import parallel_state
+def shard(param: torch.nn.Parameter, full: torch.Tensor, *, expert: bool = False) -> torch.Tensor:
+    """This TP rank's slice of a full (TP 1) tensor, as Megatron splits ``param`` (an expert's
+    weights: over the expert tensor-parallel group, whose size may differ from TP)."""
+    from megatron.core import parallel_state as ps
 
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return full.chunk(tp, dim=param.partition_dim)[parallel_state.get_tensor_model_parallel_rank()]
+    if expert:
+        tp, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    else:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return full.chunk(tp, dim=param.partition_dim)[rank]
 
 
 def load_reference_weights(model, state: dict[str, torch.Tensor]) -> None:
     """Copy the TP-1 / PP-1 weights into this rank's shard of this stage's model."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            value = shard(param, state[reference_name(model, name, state)])
+            value = shard(param, state[reference_name(model, name, state)],
+                          expert=".mlp.experts." in name)
             if value.shape != param.shape:
                 raise AssertionError(f"{name}: reference slice {tuple(value.shape)} vs "
                                      f"{tuple(param.shape)}")
@@ -146,7 +151,8 @@ def gradient_errors(model, grads: dict[str, torch.Tensor], reference) -> dict[st
     """Relative error of every reduced gradient against the matching reference slice."""
     out = {}
     for name, param in model.named_parameters():
-        ref = shard(param, reference["grads"][reference_name(model, name, reference["grads"])])
+        ref = shard(param, reference["grads"][reference_name(model, name, reference["grads"])],
+                    expert=".mlp.experts." in name)
         out[name] = relative_error(grads[name], ref)
     return out
 

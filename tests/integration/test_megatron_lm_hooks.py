@@ -140,10 +140,15 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True),
          "--moe-router-enable-expert-bias"),
         ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
-                  pipeline_model_parallel_size=2, num_layers=4, expert_tensor_parallel_size=1),
-         "--expert-tensor-parallel-size 1"),
+                  pipeline_model_parallel_size=2, num_layers=4, expert_tensor_parallel_size=3),
+         "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and "
+         "--tensor-model-parallel-size 2 do not divide one another"),
         ((), dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
-                  expert_tensor_parallel_size=1), "--expert-tensor-parallel-size 1"),
+                  expert_tensor_parallel_size=1, expert_model_parallel_size=3),
+         "--expert-tensor-parallel-size 1 x --expert-model-parallel-size 3"),
+        ((), dict(num_experts=8, expert_tensor_parallel_size=2, expert_model_parallel_size=4),
+         "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 4 / "
+         "--tensor-model-parallel-size 1 = 8 HDP ranks per expert group does not divide the 4"),
         ((), dict(num_experts=8, expert_model_parallel_size=3), "--expert-model-parallel-size 3"),
         ((), dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"),
          "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2"),
@@ -165,7 +170,9 @@ def test_refusals_name_the_flag(argv, overrides, flag, capsys):
     values = tiny_model_args(mock_data=True)
     values.update(overrides)
     args = megatron_namespace("--bytescale-hdp", *argv, **values)
-    assert any(flag in reason for reason in megatron_lm.hdp_refusals(args))
+    reasons = megatron_lm.hdp_refusals(args)
+    assert any(flag in reason for reason in reasons)
+    assert len(set(reasons)) == len(reasons), reasons  # each said once
     with pytest.raises(SystemExit) as exit_info:  # a report, not a traceback
         megatron_lm.check_args(args)
         megatron_lm.validate_args(args)
@@ -214,10 +221,18 @@ def test_interleaved_stages_pass_with_pipeline_parallelism(layout):
     ("alltoall", dict(pipeline_model_parallel_size=2, num_layers=4)),
     ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                       pipeline_model_parallel_size=2, num_layers=4)),
+    ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                      expert_tensor_parallel_size=1, expert_model_parallel_size=2)),
+    ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                      expert_tensor_parallel_size=1, expert_model_parallel_size=4)),
+    ("alltoall", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                      pipeline_model_parallel_size=2, num_layers=4, expert_tensor_parallel_size=1)),
+    ("alltoall", dict(expert_tensor_parallel_size=2, expert_model_parallel_size=2)),
 ])
 def test_moe_flags_pass_with_expert_parallelism_1(dispatcher, layout):
     """--num-experts, top-k, the dispatcher and the aux-loss flags train under HDP (EP 1),
-    also with TP 2 (sequence parallelism, experts split like the dense layers), PP 2 or both."""
+    also with TP 2 (sequence parallelism, experts split like the dense layers), PP 2 or both;
+    and expert-tensor parallelism other than TP where ETP x EP and TP divide one another."""
     args = megatron_namespace(
         "--bytescale-hdp", mock_data=True, **{**tiny_model_args(), **layout},
         num_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,

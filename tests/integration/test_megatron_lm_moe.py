@@ -80,3 +80,38 @@ def test_mixtral_example_passes_the_hooks_with_its_own_layout(patched_megatron_l
                                  moe_token_dispatcher_type="alltoall",
                                  expert_model_parallel_size=8, pipeline_model_parallel_size=4,
                                  tensor_model_parallel_size=1)
+
+
+def test_expert_tensor_parallel_layouts_pass_the_patched_validate_args(patched_megatron_lm):
+    """``--expert-tensor-parallel-size`` other than TP passes the hooks and Megatron's own
+    ``validate_args`` on 4 ranks where ETP x EP and TP divide one another (the layouts whose
+    gradients test_moe_parallel_training.py checks); other sizes are refused by flag name."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    base = [*PRETRAIN, *MIXTRAL_STYLE, "--mock-data"]
+    served = validate_megatron_flags(patched_megatron_lm, [
+        [*base, *tp2, "--expert-tensor-parallel-size", "1",
+         "--expert-model-parallel-size", "2", *BYTESCALE_ADDITIONS],
+        [*base, *tp2, "--expert-tensor-parallel-size", "1",
+         "--expert-model-parallel-size", "4", *BYTESCALE_ADDITIONS],
+        [*base, "--expert-tensor-parallel-size", "2",
+         "--expert-model-parallel-size", "2", *BYTESCALE_ADDITIONS],
+        [*base, "--expert-tensor-parallel-size", "2",
+         "--expert-model-parallel-size", "4", *BYTESCALE_ADDITIONS],
+        [*base, *tp2, "--expert-tensor-parallel-size", "3",
+         *BYTESCALE_ADDITIONS],
+    ], ("tensor_model_parallel_size", "expert_tensor_parallel_size", "expert_model_parallel_size",
+        "data_parallel_size"), world_size=4)
+    assert [s.values for s in served[:3]] == [
+        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+             expert_model_parallel_size=2, data_parallel_size=2),
+        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+             expert_model_parallel_size=4, data_parallel_size=2),
+        dict(tensor_model_parallel_size=1, expert_tensor_parallel_size=2,
+             expert_model_parallel_size=2, data_parallel_size=4),
+    ], [_said(s) for s in served[:3]]
+    for result, flag in zip(served[3:], [
+            "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 4 / "
+            "--tensor-model-parallel-size 1 = 8 HDP ranks per expert group does not divide",
+            "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and "
+            "--tensor-model-parallel-size 2 do not divide one another"]):
+        assert result.refused and flag in _said(result), _said(result)

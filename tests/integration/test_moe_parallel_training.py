@@ -1,9 +1,10 @@
 """MoE under HDP with TP 2 (sequence parallelism), with PP 2 and with both (TP 2 x PP 2), at
-expert parallelism 1 (and 2 for TP and for PP), on 4 CPU ranks: every gradient equals
-megatron-core's single-process MoE.
+expert parallelism 1 (and 2 for TP and for PP), and with expert-tensor parallelism other than
+TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2), on 4 CPU ranks: every gradient equals
+megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
 
-All five layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``
-and ``moe_epp_cases.py``.
+All eight layouts share ONE 4-process spawn (module-scoped fixture); see
+``moe_parallel_cases.py``, ``moe_epp_cases.py`` and ``moe_etp_cases.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 
 from megatron_bytescale.testing.distributed import run_distributed
 
+from .moe_etp_cases import ETP_LAYOUTS
 from .moe_parallel_cases import moe_parallel_rank_body
 
 TOLERANCE = 1e-5
@@ -20,6 +22,7 @@ PP_RUNS = ["pp balance aux", "pp manual aux 0", "pp manual aux"]
 TP_EP_RUNS = ["tp ep manual aux 0", "tp ep manual aux", "tp ep balance aux"]
 PP_EP_RUNS = ["pp ep manual aux 0", "pp ep manual aux", "pp ep balance aux"]
 TPP_RUNS = ["tpp manual aux 0", "tpp manual aux", "tpp balance aux"]
+ETP_RUNS = [f"{layout} manual aux" for layout, *_ in ETP_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +122,64 @@ def test_the_gradient_check_catches_tp_counts_left_unsummed(results, control):
         worst = max(v for r in results if r["runs"][control]["pp"] == stage
                     for n, v in r["runs"][control]["grad_errors"].items() if ".mlp.router." in n)
         assert worst > 100 * TOLERANCE, (control, stage, worst)
+
+
+def test_the_expert_tensor_parallel_layouts_keep_the_right_hdp_ranks_in_step(results):
+    """An expert group (megatron-core's ETP x EP tensor-and-expert group) spans
+    max(1, ETP x EP / TP) consecutive HDP ranks; the plan keeps exactly those in step: none at
+    TP 2 x ETP 1 x EP 2 (the group is one HDP rank's TP pair: counts 5 / 4, no empty slot), both
+    HDP ranks at TP 2 x ETP 1 x EP 4 and all four at TP 1 x ETP 2 x EP 2 (empty slots)."""
+    for (layout, tp, etp, ep, lockstep), run in zip(ETP_LAYOUTS, ETP_RUNS):
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == tp and i["pp_size"] == 1 and i["expert_tp_size"] == etp
+                   and i["expert_model_parallel_size"] == ep and i["sequence_parallel"] == (tp > 1)
+                   for i in info), run
+        assert all(i["ep_size"] == i["plan_ep_size"] == lockstep for i in info), run
+        # the expert group: ETP x EP consecutive global ranks
+        block = etp * ep
+        assert [i["expert_group"] for i in info] == [
+            list(range(r - r % block, r - r % block + block)) for r in range(4)], run
+        assert info[0]["ring_sizes"] == [1, 2], run
+    counts = {run: results[0]["runs"][run]["micro_batch_counts"] for run in ETP_RUNS}
+    slots = {run: results[0]["runs"][run]["slots"] for run in ETP_RUNS}
+    assert counts[ETP_RUNS[0]] == slots[ETP_RUNS[0]] == [5, 4]
+    assert counts[ETP_RUNS[1]] == [5, 4] and slots[ETP_RUNS[1]] == [5, 5]
+    assert counts[ETP_RUNS[2]] == [3, 2, 2, 2] and slots[ETP_RUNS[2]] == [3, 3, 3, 3]
+    assert results[0]["runs"][ETP_RUNS[2]]["packs"] == 1
+
+
+@pytest.mark.parametrize("run", ETP_RUNS)
+def test_moe_gradients_equal_megatron_alone_with_expert_tensor_parallelism(results, run):
+    layout, tp, etp, ep, _ = ETP_LAYOUTS[ETP_RUNS.index(run)]
+    holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
+    loss = sum(i["loss_sum"] for i in holders) / holders[0]["global_loss_tokens"]
+    ref = results[0]["reference_loss"]["aux"]
+    assert abs(loss - ref) / abs(ref) <= TOLERANCE
+    routers = experts = 0
+    for r in results:
+        errors = r["runs"][run]["grad_errors"]
+        routers += sum(".mlp.router." in n for n in errors)
+        experts += sum(".mlp.experts." in n for n in errors)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+    # 2 layers x 4 ranks, each holding 4 / EP experts (split over ETP ranks) x 2 linears
+    assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
+
+
+def test_the_logged_router_losses_at_tp_2_are_the_documents_own_weighted_by_tokens(results):
+    """At TP 2 with sequence parallelism each TP rank holds its rows' share of every router loss:
+    Megatron-LM's logged values (reduced over TP x HDP) equal megatron-core's log of each
+    document alone, weighted by tokens, within 1e-5 on every rank; reduced over the HDP group
+    alone (the all-gather run, a negative control) they miss the other TP rank's share."""
+    reference = results[0]["reference_log"]
+    assert set(reference) == {"load_balancing_loss", "z_loss"}
+    assert all(v > 0 for v in reference.values())
+    for r in results:
+        log = r["runs"]["tp alltoall aux"]["log"]
+        assert set(log) == set(reference), log
+        for name, value in reference.items():
+            assert abs(log[name] - value) / value <= TOLERANCE, (r["rank"], name, log[name], value)
+        control = r["runs"]["tp allgather aux"]["log"]
+        assert set(control) == set(reference), control
+        for name, value in reference.items():
+            assert abs(control[name] - value) / value > 100 * TOLERANCE, (r["rank"], name)

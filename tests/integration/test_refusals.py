@@ -119,11 +119,13 @@ def test_sequence_longer_than_all_ranks_hold_is_refused_by_the_planner():
     (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type sinkhorn"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps 0.01"),
     (dict(add_bias_linear=True), "--disable-bias-linear"),
-    (dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
-     "--expert-tensor-parallel-size 1"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=3),
+     "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and "
+     "--tensor-model-parallel-size 2 do not divide one another"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
-          pipeline_dtype=torch.float32, expert_tensor_parallel_size=1),
-     "--expert-tensor-parallel-size 1"),
+          pipeline_dtype=torch.float32, expert_tensor_parallel_size=1,
+          expert_model_parallel_size=3),
+     "--expert-tensor-parallel-size 1 x --expert-model-parallel-size 3"),
 ])
 def test_moe_settings_without_a_placement_independent_meaning_are_refused(changes, flag):
     """The model builder refuses them before building, naming the flag (docs/moe.md)."""
@@ -147,9 +149,14 @@ def test_moe_settings_without_a_placement_independent_meaning_are_refused(change
     dict(tensor_model_parallel_size=4, sequence_parallel=True, pipeline_model_parallel_size=4,
          pipeline_dtype=torch.float32, expert_model_parallel_size=8,
          moe_token_dispatcher_type="alltoall"),
+    dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1,
+         expert_model_parallel_size=4, moe_token_dispatcher_type="alltoall"),
+    dict(expert_tensor_parallel_size=2, expert_model_parallel_size=2,
+         moe_token_dispatcher_type="alltoall"),
 ])
 def test_moe_trains_with_tensor_and_pipeline_parallelism(layout):
-    """TP, PP and TP x PP (the Mistral presets' TP 4 x PP 4, here with EP 8) pass the model
+    """TP, PP and TP x PP (the Mistral presets' TP 4 x PP 4, here with EP 8), and expert-tensor
+    parallelism other than TP where ETP x EP and TP divide one another, pass the model
     builder's MoE checks (the gradients: tests/integration/test_moe_parallel_training.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
