@@ -187,3 +187,13 @@ def test_level_steps_fill_the_free_ranks_of_a_ring_step_longest_first():
     units = [unit(0, 2000, ring=2), unit(4, 300), unit(2, 500), unit(3, 400)]
     placements = level_steps(units, ctx(4), 4, lambda p: np.array([1.0, 1.0, 0.5, 0.4]))
     assert by_rank(placements, 4) == [[0], [0], [2], [3, 4]]
+
+
+def test_only_pipelines_below_the_threshold_take_work_while_one_exists():
+    """Singles 1.0, 0.8, 0.1, 0.5, 0.5 on 3 pipelines (delta 0.3, one bucket, in this order).
+    Round 1 (max 0, all targets): 1.0, 0.8 and 0.1 one each. Round 2: max 1.0, threshold 0.7:
+    only pipeline 2 (0.1) is below it; it takes 0.5 (0.6; another 0.5 would pass the max).
+    Round 3: max 1.0, pipeline 2 (0.6) is still the only one below 0.7 and takes the last 0.5.
+    Pipeline 1, at 0.8, within delta of the max, takes nothing."""
+    units = [unit(0, 1000), unit(1, 800), unit(2, 100), unit(3, 500), unit(4, 500)]
+    assert by_rank(pp_balance(units, ctx(3), 3, delta=0.3, num_buckets=1), 3) == [[0], [1], [2, 3, 4]]

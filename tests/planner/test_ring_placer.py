@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_bytescale.planner.schedulers.placement import RingPlacer
+from megatron_bytescale.planner.schedulers.placement import FreeRanks, RingPlacer
 from megatron_bytescale.planner.topology import Topology
 
 
@@ -204,3 +204,47 @@ def test_fewest_nodes_without_a_compact_choice_takes_the_fewest_nodes_allowed():
     # a ring of 7 needs all three nodes; a ring of 8 cannot be held
     assert p.fewest_nodes(7, eligible) == (10.0, (0, 1, 2, 4, 5, 6, 8))
     assert p.fewest_nodes(8, eligible) is None
+
+
+# --------------------------------------------------------------------------- FreeRanks.take
+def test_free_ranks_take_whole_nodes_then_the_best_fit_for_the_rest():
+    """Nodes of 4 with 4, 3 and 2 free ranks: a ring of 6 takes the free node and the node with
+    exactly 2 free (best fit), not the fuller one; a ring of 3 takes the node with exactly 3."""
+    topo = Topology(ranks_per_node=4)
+    free = [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    assert FreeRanks(free, topo).take(6, fallback=False) == [0, 1, 2, 3, 8, 9]
+    assert FreeRanks(free, topo).take(3, fallback=False) == [4, 5, 6]
+    assert FreeRanks(free, topo).take(2, fallback=False) == [8, 9]
+
+
+def test_free_ranks_take_the_fewest_nodes_without_a_free_node():
+    """Nodes with 3, 3 and 1 free ranks: a ring of 6 fits the two fuller nodes, the fewest a ring
+    of 6 can use (2), so it is taken even without the fallback; a ring of 7 needs a third node."""
+    topo = Topology(ranks_per_node=4)
+    free = [0, 1, 2, 4, 5, 6, 8]
+    assert FreeRanks(free, topo).take(6, fallback=False) == [0, 1, 2, 4, 5, 6]
+    assert FreeRanks(free, topo).take(7, fallback=False) is None
+    assert FreeRanks(free, topo).take(7, fallback=True) == [0, 1, 2, 4, 5, 6, 8]
+
+
+def test_compact_in_a_node_matches_the_sorted_reference_on_wide_nodes():
+    """Nodes of 64 ranks with random loads: the partition path picks what the sorted view picks
+    for every ring size that fits a node."""
+    rng = np.random.default_rng(5)
+    topo = Topology(ranks_per_node=64)
+    p = RingPlacer(topo, 256)
+    p.set_loads(range(256), 0.0)
+    for r, v in enumerate(rng.random(256)):
+        p.set_load(r, float(v))
+    everyone = np.ones(256, dtype=bool)
+    for d in range(1, 65):
+        assert p.compact(d) == p.compact(d, everyone), d
+
+
+def test_compact_in_a_node_reads_each_nodes_dth_smallest_load():
+    """Node 0's loads descend (5 .. 0): its third smallest is 2, below node 1's 2.5 (and below
+    node 0's third-placed 3), so a ring of 3 starts at 2 on node 0's three least-loaded ranks."""
+    p = RingPlacer(Topology(ranks_per_node=6), 12)
+    for r, v in enumerate([5, 4, 3, 2, 1, 0, 2.5, 2.5, 2.5, 9, 9, 9]):
+        p.set_load(r, float(v))
+    assert p.compact(3) == (2.0, (3, 4, 5))
