@@ -84,6 +84,23 @@ def test_random_plans_train_at_pp_2_ep_2_without_deadlock(results):
     assert stress[0]["empty_slots"] > 0 and stress[0]["rings"] > 0
 
 
+def _check_loss_and_gradients(results, run: str, holders, case: str) -> tuple[int, int]:
+    """The run's loss (summed over the ranks that hold it) equals the reference's, and every
+    rank's every gradient is within the tolerance; returns how many router and expert
+    parameters the ranks compared."""
+    loss = sum(i["loss_sum"] for i in holders) / holders[0]["global_loss_tokens"]
+    ref = results[0]["reference_loss"][case]
+    assert abs(loss - ref) / abs(ref) <= TOLERANCE
+    routers = experts = 0
+    for r in results:
+        errors = r["runs"][run]["grad_errors"]
+        routers += sum(".mlp.router." in n for n in errors)
+        experts += sum(".mlp.experts." in n for n in errors)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+    return routers, experts
+
+
 @pytest.mark.parametrize("run", TP_RUNS + PP_RUNS + TPP_RUNS + TP_EP_RUNS + PP_EP_RUNS)
 def test_moe_gradients_equal_megatron_alone(results, run):
     case = "aux 0" if run.endswith("aux 0") else "aux"
@@ -95,16 +112,7 @@ def test_moe_gradients_equal_megatron_alone(results, run):
         holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
     else:
         holders = [r["runs"][run] for r in results if r["runs"][run]["pp"] == 1]
-    loss = sum(i["loss_sum"] for i in holders) / holders[0]["global_loss_tokens"]
-    ref = results[0]["reference_loss"][case]
-    assert abs(loss - ref) / abs(ref) <= TOLERANCE
-    routers = experts = 0
-    for r in results:
-        errors = r["runs"][run]["grad_errors"]
-        routers += sum(".mlp.router." in n for n in errors)
-        experts += sum(".mlp.experts." in n for n in errors)
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+    routers, experts = _check_loss_and_gradients(results, run, holders, case)
     # every rank holds the routers and experts of its layers: 2 layers x 4 ranks (TP) or
     # 1 layer x 4 ranks (PP, TP x PP); 4 experts (2 with EP 2) x 2 linears each
     layers = 8 if run.startswith("tp ") else 4
@@ -152,16 +160,7 @@ def test_the_expert_tensor_parallel_layouts_keep_the_right_hdp_ranks_in_step(res
 def test_moe_gradients_equal_megatron_alone_with_expert_tensor_parallelism(results, run):
     layout, tp, etp, ep, _ = ETP_LAYOUTS[ETP_RUNS.index(run)]
     holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
-    loss = sum(i["loss_sum"] for i in holders) / holders[0]["global_loss_tokens"]
-    ref = results[0]["reference_loss"]["aux"]
-    assert abs(loss - ref) / abs(ref) <= TOLERANCE
-    routers = experts = 0
-    for r in results:
-        errors = r["runs"][run]["grad_errors"]
-        routers += sum(".mlp.router." in n for n in errors)
-        experts += sum(".mlp.experts." in n for n in errors)
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= TOLERANCE, f"{run} rank {r['rank']}: {worst} {errors[worst]:.2e}"
+    routers, experts = _check_loss_and_gradients(results, run, holders, "aux")
     # 2 layers x 4 ranks, each holding 4 / EP experts (split over ETP ranks) x 2 linears
     assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
 
