@@ -136,20 +136,24 @@ class CostModel:
     0 in the analytic presets; the ``paper-fit`` preset fits it to the case study
     (docs/reproduction.md, section 2; :mod:`.ring_time`)."""
     expert_parallel_size: int = 1
-    """Expert-parallel size E the MoE terms below were built for (1: no all-to-all). Expert
-    groups are E consecutive HDP ranks; the planner's EP constraint takes its size from the run."""
+    """Expert-parallel size E the MoE terms below were built for (1: no all-to-all)."""
+    expert_lockstep_size: int | None = None
+    """HDP ranks one expert group spans, which plans keep in step (:attr:`plan_ep_size`):
+    ``max(1, ETP x E / TP)`` with expert-tensor parallelism ETP (:mod:`.expert_layout`);
+    None: E, the ETP = TP layout (and every cost model saved before ETP was modelled)."""
     moe_dispatch_s_per_token: float = 0.0
     """MoE token dispatch, seconds per token of a member's share per layer (forward and backward
-    together) that no compute hides: the all-to-alls over the EP group and, with TP > 1, the
-    dispatcher's all-gathers / reduce-scatters over TP (:mod:`.moe_cost`). 0 for dense models."""
+    together) that no compute hides: the all-to-alls over the EP group and, with expert TP > 1,
+    the dispatcher's all-gathers / reduce-scatters over expert TP (:mod:`.moe_cost`). 0 for
+    dense models."""
     moe_dispatch_s: float = 0.0
     """MoE token dispatch, seconds per layer per micro-batch (the collectives' latency)."""
     moe_a2a_bytes_per_token: float = 0.0
     """Bytes one rank sends in the EP all-to-alls per token of its share per layer (forward and
     backward): ``4 k h dtype (E - 1) / (E T)``; reported, the time is in the two terms above."""
     moe_tp_bytes_per_token: float = 0.0
-    """Bytes one rank sends in the dispatcher's TP collectives per token of its share per layer:
-    ``4 k h dtype (T - 1) / T``."""
+    """Bytes one rank sends in the dispatcher's expert-TP collectives per token of its share per
+    layer: ``4 k h dtype (P - 1) / T`` with expert TP size P (TP by default)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -157,6 +161,10 @@ class CostModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cost model {self.name!r}: {name} ({value!r}) must be an integer >= 1")
+        lockstep = self.expert_lockstep_size
+        if lockstep is not None and (isinstance(lockstep, bool) or not isinstance(lockstep, int) or lockstep < 1):
+            raise ValueError(f"cost model {self.name!r}: expert_lockstep_size ({lockstep!r}) must be an "
+                             "integer >= 1, or null for expert_parallel_size")
         if not isinstance(self.two_level_ring, bool):
             raise ValueError(f"cost model {self.name!r}: two_level_ring ({self.two_level_ring!r}) must be true or false")
         if self.dkv_bytes_per_token is not None and not (
@@ -323,6 +331,12 @@ class CostModel:
         return float(out) if out.ndim == 0 else out
 
     @property
+    def plan_ep_size(self) -> int:
+        """The ``StepPlan.ep_size`` this cost model's expert groups need: the HDP ranks one spans
+        (:attr:`expert_lockstep_size`, else :attr:`expert_parallel_size` as with ETP = TP)."""
+        return self.expert_parallel_size if self.expert_lockstep_size is None else self.expert_lockstep_size
+
+    @property
     def offload_bandwidth(self) -> float:
         """min(B_d2h, B_h2d) of Eq. 3's overlap constraint."""
         return min(self.d2h_bandwidth, self.h2d_bandwidth)
@@ -479,7 +493,7 @@ def _check_field_types(data: Mapping[str, Any]) -> None:
     for name in ("name", "source"):
         if name in data and not isinstance(data[name], str):
             raise ValueError(f"cost model field {name!r} ({data[name]!r:.60}) must be a string")
-    for name in ("num_layers", "ranks_per_node", "expert_parallel_size"):  # types and >= 1: __post_init__
+    for name in ("num_layers", "ranks_per_node", "expert_parallel_size", "expert_lockstep_size"):  # __post_init__
         value = data.get(name)
         if isinstance(value, int) and value > 2**31 - 1:
             bounded_int(value, name, low=1, high=2**31 - 1)

@@ -5,26 +5,43 @@ Mixtral example runs) computes, per token, the router (``h x E`` GEMM) and ``k``
 (``SequentialMLP`` or grouped GEMM: the same FLOPs, ``k * 3 * 2 h f`` forward), which
 :func:`.presets.layer_flops_per_token` counts. Around them it moves tokens, which FLOPs do not
 show. Per layer, for one rank of an expert-parallel (EP) group of size ``E`` whose tensor-
-parallel size is ``T`` (expert TP equal to TP, Megatron's default; sequence parallelism, so the
-rank holds ``s / T`` of its ``s`` tokens), and uniform routing (what the load-balancing loss
-aims at):
+parallel size is ``T`` and whose experts are split over ``P`` GPUs each (expert-tensor
+parallelism, Megatron's ``--expert-tensor-parallel-size``; ``P = T`` by default), with sequence
+parallelism, so the rank holds ``s / T`` of its HDP rank's ``s`` tokens, and uniform routing
+(what the load-balancing loss aims at). megatron-core 0.16's all-to-all dispatcher
+(``MoEAlltoAllTokenDispatcher``) permutes the rank's own routed copies, all-to-alls them over
+the EP group, all-gathers them over the expert-TP group (``P`` ranks), sorts them by local
+expert, and does the reverse after the experts; the expert ranks are laid out ``tp-ep-dp-pp``
+with tp = ``P``, so an EP group's members sit ``P`` GPUs apart and the group (with its expert-TP
+peers) spans ``E P`` consecutive GPUs:
 
 * **all-to-all over EP** (dispatch before the experts, combine after; each again in backward):
   four all-to-alls, each sending ``k * h * dtype * (E - 1) / E`` bytes per token of the rank's
-  ``s / T``, i.e. ``4 k h dtype (E - 1) / (E T)`` per token of the sequence share. EP groups are
-  ``E`` consecutive HDP ranks (``StepPlan.ep_size``), each HDP rank ``T`` GPUs, so with ``R``
-  HDP ranks per node a member's ``E - 1`` peers are ``min(E, R) - 1`` on its node (NVLink) and
-  ``E - min(E, R)`` on other nodes (network); NVLink and the NIC run at once, so an all-to-all
-  takes the longer of the two shares;
-* **all-gather / reduce-scatter over TP** (``T > 1``): the dispatcher gathers the ``k s / T``
-  routed tokens of the TP group before the experts and reduce-scatters after (and the reverse
-  in backward): four collectives of ``(T - 1) / T * k * h * dtype`` bytes per token of the
-  share, over NVLink. Charged at EP 1 too: it is the dispatcher's, not expert parallelism's;
-* **permute / unpermute copies**: the dispatcher copies every routed token into expert order
-  and back (read and write, forward and backward): ``8 k h dtype / T`` bytes per token of the
-  share at the GPU's memory bandwidth, memory-bound, counted as compute;
-* **latency**: ``p2p_latency_s`` per collective (4 all-to-alls when ``E > 1``, 4 TP
-  collectives when ``T > 1``), per layer per micro-batch.
+  ``s / T``, i.e. ``4 k h dtype (E - 1) / (E T)`` per token of the sequence share (``P`` does
+  not enter: the rank sends its own tokens). With ``G`` GPUs per node a member's ``E - 1`` peers
+  are ``min(E, max(1, G // P)) - 1`` on its node (NVLink) and the rest on other nodes (network);
+  NVLink and the NIC run at once, so an all-to-all takes the longer of the two shares. With
+  ``P = T`` that is ``min(E, R) - 1`` with ``R = G // T`` HDP ranks per node, as the EP group
+  is then ``E`` consecutive HDP ranks (``StepPlan.ep_size``; in general an expert group spans
+  ``max(1, P E / T)`` HDP ranks, :mod:`.expert_layout`);
+* **all-gather / reduce-scatter over expert TP** (``P > 1``): after the all-to-all the rank
+  holds ``k s / T`` routed tokens; the dispatcher gathers those of its ``P - 1`` expert-TP peers
+  before the experts and reduce-scatters after (and the reverse in backward): four collectives
+  of ``(P - 1) / T * k * h * dtype`` bytes per token of the share, over NVLink when ``P <= G``,
+  else the network (a group no wider than TP keeps NVLink's rate even past a node: the cost
+  model takes TP groups as NVLink-connected). Charged at EP 1 too: it is the dispatcher's, not
+  expert parallelism's;
+* **permute / unpermute copies**: the dispatcher copies each of the rank's own routed tokens
+  into expert order and back (read and write, forward and backward): ``8 k h dtype / T`` bytes
+  per token of the share at the GPU's memory bandwidth, memory-bound, counted as compute. They
+  run before the all-to-all and after the combine, on the rank's ``s / T`` tokens, so ``P``
+  does not enter. The second sort (by local expert, on the ``P k s / T`` gathered tokens, only
+  with more than one local expert) is not modelled;
+* **latency**: ``p2p_latency_s`` per collective (4 all-to-alls when ``E > 1``, 4 expert-TP
+  collectives when ``P > 1``), per layer per micro-batch.
+
+The experts' FLOPs do not change with ``P``: the rank runs ``P k s / T`` tokens through ``1 / P``
+of each expert's FFN.
 
 None of it overlaps compute in megatron-core 0.16 (the dispatcher waits for its collectives),
 so the communication is exposed time: :attr:`.CostModel.moe_dispatch_s_per_token` per token of
@@ -35,8 +52,9 @@ Megatron's dense MFU tables measure (with TP communication overlap), as before. 
 the router's probabilities (``k`` fp32 per token, < 0.1 % of the bytes), load imbalance
 between experts (a perfectly balanced router is assumed), capacity-factor token dropping.
 
-Without expert parallelism (``E = 1``) there is no all-to-all; a TP 1 model has no MoE
-communication at all and its numbers are today's except for the permute copies.
+Without expert parallelism (``E = 1``) there is no all-to-all; with ``P = 1`` there are no
+expert-TP collectives (a TP 1 model at its default ETP has no MoE communication at all). With
+``P = T`` every number is the one from before expert-tensor parallelism was modelled.
 """
 
 from __future__ import annotations
@@ -45,6 +63,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .expert_layout import expert_lockstep_refusal
 
 #: Per routed token copy per layer, bytes the dispatcher's permute and unpermute read and write
 #: in units of ``h * dtype``: permute reads and writes the copy (2), unpermute reads it and
@@ -66,44 +86,57 @@ class MoEDispatch:
     a2a_inter_bytes_per_token: float
     """Of those, bytes to peers on other nodes (network)."""
     tp_bytes_per_token: float
-    """Bytes the rank sends in the four TP all-gathers / reduce-scatters."""
+    """Bytes the rank sends in the four expert-TP all-gathers / reduce-scatters."""
     permute_bytes_per_token: float
     """Bytes the permute / unpermute copies read and write in device memory."""
     seconds_per_token: float
-    """Exposed communication seconds per token (all-to-alls and TP collectives)."""
+    """Exposed communication seconds per token (all-to-alls and expert-TP collectives)."""
     seconds: float
     """Exposed latency seconds per micro-batch (one ``p2p_latency_s`` per collective)."""
     permute_s_per_token: float
     """Seconds of the copies per token (memory-bound compute)."""
 
 
-def moe_dispatch(model: Any, hardware: Any, *, expert_parallel_size: int | None = None) -> MoEDispatch:
+def moe_dispatch(model: Any, hardware: Any, *, expert_parallel_size: int | None = None,
+                 expert_tensor_parallel_size: int | None = None) -> MoEDispatch:
     """The dispatch terms of ``model`` (a :class:`.presets.ModelSpec`) on ``hardware``
     (a :class:`.presets.HardwareSpec`): all zero for a dense model.
 
-    ``expert_parallel_size`` overrides ``model.expert_parallel_size``.
+    ``expert_parallel_size`` and ``expert_tensor_parallel_size`` override the model's E and ETP
+    (ETP None: the model's, whose None is TP).
     """
     ep = int(model.expert_parallel_size if expert_parallel_size is None else expert_parallel_size)
     if ep < 1:
         raise ValueError(f"model {model.name!r}: expert_parallel_size ({ep}) must be >= 1")
+    tp = model.tensor_parallel_size
+    etp = expert_tensor_parallel_size
+    if etp is None:
+        etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+        raise ValueError(f"model {model.name!r}: expert_tensor_parallel_size ({etp!r}) must be an integer >= 1")
     if model.num_experts <= 1:
-        if ep != 1:
+        if ep != 1 or etp != tp:
             raise ValueError(f"model {model.name!r} is dense (num_experts 1): expert_parallel_size "
-                             f"({ep}) must be 1")
+                             f"({ep}) must be 1 and expert_tensor_parallel_size ({etp}) the TP size ({tp})")
         return MoEDispatch(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if model.num_experts % ep:
         divisors = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
         raise ValueError(f"model {model.name!r}: expert_parallel_size ({ep}) must divide the "
                          f"{model.num_experts} experts; choose one of {divisors}")
-    tp = model.tensor_parallel_size
+    why = expert_lockstep_refusal(tp, etp, ep)
+    if why:
+        raise ValueError(f"model {model.name!r}: {why}")
     copy = model.moe_router_topk * model.hidden_size * model.dtype_bytes  # one routed token copy
-    ranks_per_node = max(1, hardware.gpus_per_node // tp)
-    on_node = min(ep, ranks_per_node)
+    ep_members_per_node = max(1, hardware.gpus_per_node // etp)  # EP members sit ETP GPUs apart
+    on_node = min(ep, ep_members_per_node)
     a2a_intra = COLLECTIVES_PER_LAYER * copy * (on_node - 1) / ep / tp
     a2a_inter = COLLECTIVES_PER_LAYER * copy * (ep - on_node) / ep / tp
-    tp_bytes = COLLECTIVES_PER_LAYER * copy * (tp - 1) / tp
+    tp_bytes = COLLECTIVES_PER_LAYER * copy * (etp - 1) / tp
+    # NVLink unless expert TP spans nodes; a TP group wider than a node keeps NVLink's rate as before
+    tp_bandwidth = (hardware.p2p_bandwidth_intra if etp <= max(hardware.gpus_per_node, tp)
+                    else hardware.p2p_bandwidth_inter)
     a2a_s = max(a2a_intra / hardware.p2p_bandwidth_intra, a2a_inter / hardware.p2p_bandwidth_inter)
-    collectives = COLLECTIVES_PER_LAYER * ((ep > 1) + (tp > 1))
+    collectives = COLLECTIVES_PER_LAYER * ((ep > 1) + (etp > 1))
     permute = PERMUTE_BYTES_FACTOR * copy / tp
     return MoEDispatch(
         a2a_bytes_per_token=a2a_intra + a2a_inter,
@@ -111,7 +144,7 @@ def moe_dispatch(model: Any, hardware: Any, *, expert_parallel_size: int | None 
         a2a_inter_bytes_per_token=a2a_inter,
         tp_bytes_per_token=tp_bytes,
         permute_bytes_per_token=permute,
-        seconds_per_token=a2a_s + tp_bytes / hardware.p2p_bandwidth_intra,
+        seconds_per_token=a2a_s + tp_bytes / tp_bandwidth,
         seconds=collectives * hardware.p2p_latency_s,
         permute_s_per_token=permute / hardware.memory_bandwidth,
     )

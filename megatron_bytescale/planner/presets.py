@@ -25,7 +25,8 @@ ZeRO-1 states and 8K tokens of activations of one rank under 80 GB; change them 
 :func:`model_spec` keyword arguments. MoE layers cost the router and top-k experts per token
 (the expert FLOPs a rank runs on average under any expert parallelism), plus the token
 dispatch of :mod:`.moe_cost`: the dispatcher's copies, its TP collectives and, with
-``expert_parallel_size`` E > 1 (EP groups of E consecutive HDP ranks), its all-to-alls.
+``expert_parallel_size`` E > 1 (EP groups of E expert-TP groups of ``expert_tensor_parallel_size``
+GPUs, TP by default), its all-to-alls.
 
 H100-class GPU (:data:`H100`), every constant with its source:
 
@@ -55,6 +56,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .cost_model import CostModel
+from .expert_layout import expert_lockstep_size
 
 #: FLOPs of forward + backward relative to forward for GEMMs (backward = dgrad + wgrad).
 GEMM_FWD_BWD_FACTOR = 3.0
@@ -81,9 +83,14 @@ class ModelSpec:
     """1 for a dense model."""
     moe_router_topk: int = 1
     expert_parallel_size: int = 1
-    """EP size E (Megatron's ``--expert-model-parallel-size``): experts split over E consecutive
-    HDP ranks, tokens dispatched by all-to-all (:mod:`.moe_cost`); 1: every expert on every rank."""
+    """EP size E (Megatron's ``--expert-model-parallel-size``): experts split over E expert-TP
+    groups, tokens dispatched by all-to-all (:mod:`.moe_cost`); 1: every expert on every rank."""
     tensor_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP size ETP (Megatron's ``--expert-tensor-parallel-size``): each expert's weights
+    split over ETP GPUs; None: TP, Megatron's default. An expert group is ETP x E consecutive
+    GPUs, so it spans :attr:`expert_lockstep_size` HDP ranks; ETP x E and TP must divide one
+    another (:func:`.expert_layout.expert_lockstep_refusal`)."""
     pipeline_parallel_size: int = 1
     """Default PP degree for this model (the planner's ``pp_size`` overrides it)."""
     dtype_bytes: int = 2
@@ -116,6 +123,33 @@ class ModelSpec:
                 f"model {self.name!r}: expert_parallel_size ({self.expert_parallel_size}) must divide "
                 f"num_experts ({self.num_experts}); choose one of {divisors}"
             )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None:
+            if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+                raise ValueError(f"model {self.name!r}: expert_tensor_parallel_size ({etp!r}) must be an "
+                                 "integer >= 1, or None for the tensor_parallel_size")
+            if self.num_experts <= 1 and etp != tp:
+                raise ValueError(f"model {self.name!r} is dense (num_experts 1): expert_tensor_parallel_size "
+                                 f"({etp}) applies to MoE models only; leave it None")
+        block = self.expert_tp * self.expert_parallel_size
+        if block % tp and tp % block:
+            raise ValueError(
+                f"model {self.name!r}: expert_tensor_parallel_size ({self.expert_tp}) x expert_parallel_size "
+                f"({self.expert_parallel_size}) = {block} and tensor_parallel_size ({tp}) do not divide one "
+                "another: an expert group must hold whole TP groups or lie inside one (the TP ranks of an "
+                "HDP rank run one micro-batch); choose sizes where one divides the other"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        """ETP in effect: ``expert_tensor_parallel_size``, else TP (Megatron's default)."""
+        return self.expert_tensor_parallel_size or self.tensor_parallel_size
+
+    @property
+    def expert_lockstep_size(self) -> int:
+        """HDP ranks one expert group spans, which a plan keeps in step (``StepPlan.ep_size``):
+        ``max(1, ETP x E / TP)`` (:func:`.expert_layout.expert_lockstep_size`); E when ETP = TP."""
+        return expert_lockstep_size(self.tensor_parallel_size, self.expert_tp, self.expert_parallel_size)
 
     @property
     def head_dim(self) -> float:
@@ -265,6 +299,7 @@ def analytic_cost_model(model: ModelSpec, hardware: HardwareSpec, *, name: str |
         attention_forward_fraction=1.0 / ATTENTION_FWD_BWD_FACTOR,
         forward_fraction=1.0 / GEMM_FWD_BWD_FACTOR,
         expert_parallel_size=model.expert_parallel_size,
+        expert_lockstep_size=(None if model.expert_tp == tp else model.expert_lockstep_size),
         moe_dispatch_s_per_token=moe.seconds_per_token,
         moe_dispatch_s=moe.seconds,
         moe_a2a_bytes_per_token=moe.a2a_bytes_per_token,
@@ -393,20 +428,26 @@ def preset_cost_model(
     *,
     tensor_parallel_size: int | None = None,
     expert_parallel_size: int | None = None,
+    expert_tensor_parallel_size: int | None = None,
 ) -> CostModel:
     """The analytic :class:`CostModel` of a named model on a named GPU.
 
-    ``tensor_parallel_size`` and ``expert_parallel_size`` override the preset's TP and EP (PP
-    is a planner argument, not part of the per-layer cost). The name gains ``-ep{E}`` for E > 1.
+    ``tensor_parallel_size``, ``expert_parallel_size`` and ``expert_tensor_parallel_size``
+    override the preset's TP, EP and ETP (PP is a planner argument, not part of the per-layer
+    cost). The name gains ``-ep{E}`` for E > 1 and ``-etp{P}`` for an ETP other than TP.
     """
     overrides: dict[str, Any] = {}
     if tensor_parallel_size is not None:
         overrides["tensor_parallel_size"] = tensor_parallel_size
     if expert_parallel_size is not None:
         overrides["expert_parallel_size"] = expert_parallel_size
+    if expert_tensor_parallel_size is not None:
+        overrides["expert_tensor_parallel_size"] = expert_tensor_parallel_size
     spec = model_spec(model, **overrides)
     hw = hardware_spec(hardware)
     ep = f"-ep{spec.expert_parallel_size}" if spec.expert_parallel_size > 1 else ""
+    if spec.expert_tp != spec.tensor_parallel_size:
+        ep += f"-etp{spec.expert_tp}"
     return CostModel.from_specs(spec, hw, name=f"{spec.name}-tp{spec.tensor_parallel_size}{ep}@{hw.name}")
 
 

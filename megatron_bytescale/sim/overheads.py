@@ -14,10 +14,12 @@ are the same kind of arithmetic as the cost model's, built from the same links:
     and an all-gather of the updated parameters, ``(N - 1) / N`` of each.
 
   The rate is the cost model's NVLink rate when the whole HDP group sits in one node, else
-  its network rate, plus ``p2p_latency_s`` per ring step. With expert parallelism E > 1 the
-  expert weights (``expert_params_per_rank``, already 1/E of the experts) reduce over the
-  expert-data-parallel group of N / E ranks instead, after the dense ones, as Megatron's
-  separate expert gradient buffer does. It starts when the slowest rank
+  its network rate, plus ``p2p_latency_s`` per ring step. With expert parallelism E > 1, or
+  an expert-tensor-parallel size P other than TP, the expert weights (``expert_params_per_rank``:
+  1/E of the experts, each split over P GPUs) reduce over the expert-data-parallel group instead,
+  after the dense ones, as Megatron's separate expert gradient buffer does: the GPUs of a stage
+  (N x TP) over the expert group's P x E, i.e. ``N TP / (P E)`` ranks (N / E with P = TP; more
+  than N when the expert group lies inside a TP group). It starts when the slowest rank
   has finished its micro-batches and is not overlapped with backward (Megatron without
   ``--overlap-grad-reduce``; with HDP the last bucket cannot start before the slowest rank
   anyway).
@@ -69,9 +71,15 @@ class StepOverheads:
     """Seconds per step to read and prepare the next global batch, planning excluded."""
     expert_params_per_rank: float = 0.0
     """Of ``params_per_rank``, the expert weights (MoE with expert parallelism: the rank's
-    num_experts / E experts); they reduce, and ZeRO-1 shards them, over N / E ranks."""
+    num_experts / E experts, each split over P GPUs); they reduce, and ZeRO-1 shards them, over
+    the expert-data-parallel group (:meth:`expert_data_parallel_size`)."""
     expert_parallel_size: int = 1
-    """E: expert groups of E HDP ranks; the expert-data-parallel group has N / E ranks."""
+    """E: the experts are split over E expert-TP groups."""
+    tensor_parallel_size: int = 1
+    """TP: an HDP rank is TP GPUs (only the expert-data-parallel group's size depends on it)."""
+    expert_tensor_parallel_size: int | None = None
+    """P: each expert split over P GPUs (Megatron's ``--expert-tensor-parallel-size``); None:
+    ``tensor_parallel_size``, Megatron's default."""
     plan_s: float | None = None
     """Seconds the cluster's planner takes per step (a modelled input); None: the ``plan_s``
     given to :func:`.step.simulate_step` (0 unless the caller models it)."""
@@ -89,14 +97,26 @@ class StepOverheads:
         if isinstance(self.expert_parallel_size, bool) or not isinstance(self.expert_parallel_size, int) \
                 or self.expert_parallel_size < 1:
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size!r}) must be an integer >= 1")
+        for name in ("tensor_parallel_size", "expert_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is None and name == "expert_tensor_parallel_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+
+    def expert_data_parallel_size(self, hdp_size: int) -> int:
+        """Ranks the expert weights reduce over: ``N TP / (P E)`` (at least 1; module docstring)."""
+        etp = self.expert_tensor_parallel_size or self.tensor_parallel_size
+        return max(1, int(hdp_size) * self.tensor_parallel_size // (etp * self.expert_parallel_size))
 
     def _groups(self, hdp_size: int) -> list[tuple[float, int]]:
-        """(parameters, ranks of the group they reduce over): dense over N, experts over N / E."""
-        n, e = int(hdp_size), self.expert_parallel_size
-        if e <= 1 or self.expert_params_per_rank <= 0:
+        """(parameters, ranks of the group they reduce over): dense over N, experts over the
+        expert-data-parallel group (N / E with P = TP)."""
+        n, edp = int(hdp_size), self.expert_data_parallel_size(hdp_size)
+        if edp == n or self.expert_params_per_rank <= 0:
             return [(self.params_per_rank, n)]
         return [(self.params_per_rank - self.expert_params_per_rank, n),
-                (self.expert_params_per_rank, max(1, n // e))]
+                (self.expert_params_per_rank, edp)]
 
     def grad_reduce_s(self, hdp_size: int, cost_model: CostModel, *, one_node: bool | None = None) -> float:
         """Seconds of the gradient reduction over ``hdp_size`` ranks (0 for one rank).
@@ -166,27 +186,36 @@ def parameter_count(model: Any) -> dict[str, float]:
 def params_per_rank(model: Any, *, tensor_parallel_size: int, pp_size: int) -> float:
     """Parameters on one GPU of the largest PP stage (its layers plus the embedding or the LM
     head; both when PP = 1), split over TP; with expert parallelism E the rank holds 1 / E of
-    the experts."""
+    the experts, each split over the expert-TP size P (TP by default) instead of TP."""
     counts = parameter_count(model)
     layers = model.num_layers / pp_size
     ends = 2.0 if pp_size == 1 else 1.0
-    per_layer = counts["per_layer"] - counts["experts_per_layer"] + expert_params_per_layer(model)
+    tp_over_etp = tensor_parallel_size / _expert_tp(model, tensor_parallel_size)  # 1.0 when P = TP
+    per_layer = counts["per_layer"] - counts["experts_per_layer"] + expert_params_per_layer(model) * tp_over_etp
     return (per_layer * layers + ends * counts["embedding"]) / tensor_parallel_size
 
 
+def _expert_tp(model: Any, tensor_parallel_size: int) -> int:
+    """P of ``model`` run at ``tensor_parallel_size``: its ``expert_tensor_parallel_size``, else TP."""
+    return getattr(model, "expert_tensor_parallel_size", None) or tensor_parallel_size
+
+
 def expert_params_per_layer(model: Any) -> float:
-    """Expert parameters of one layer on one rank before the TP split: 1 / E of the experts."""
+    """Expert parameters of one layer on one rank before the expert-TP split: 1 / E of the experts."""
     return parameter_count(model)["experts_per_layer"] / getattr(model, "expert_parallel_size", 1)
 
 
 def preset_overheads(model: Any, *, tensor_parallel_size: int, pp_size: int, **changes: Any) -> StepOverheads:
     """:class:`StepOverheads` of a preset model on H100-class GPUs (ZeRO-1, fp32 reduction)."""
     ep = getattr(model, "expert_parallel_size", 1)
+    etp = _expert_tp(model, tensor_parallel_size)
     values: dict[str, Any] = dict(
         params_per_rank=params_per_rank(model, tensor_parallel_size=tensor_parallel_size, pp_size=pp_size),
-        expert_params_per_rank=(expert_params_per_layer(model) * model.num_layers / pp_size / tensor_parallel_size
-                                if ep > 1 else 0.0),
+        expert_params_per_rank=(expert_params_per_layer(model) * model.num_layers / pp_size / etp
+                                if ep > 1 or etp != tensor_parallel_size else 0.0),
         expert_parallel_size=ep,
+        tensor_parallel_size=tensor_parallel_size,
+        expert_tensor_parallel_size=None if etp == tensor_parallel_size else etp,
         optimizer_s_per_param=H100_OPTIMIZER_S_PER_PARAM,
     )
     values.update(changes)

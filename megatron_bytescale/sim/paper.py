@@ -66,20 +66,25 @@ ABLATION_SPEEDUP: dict[str, float] = {
 
 
 def paper_setup(model: str, gpus: int | None = None, *, hardware: str = PAPER_HARDWARE,
-                expert_parallel_size: int = 1, **cost_model_changes: Any) -> ClusterSetup:
+                expert_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                **cost_model_changes: Any) -> ClusterSetup:
     """The cluster of a Fig. 17 panel: ``gpus`` (default the paper's) split into HDP ranks of
     the preset's TP x PP, C = 8K, the ``hardware`` preset (default the one fitted to the paper)
     with ``cost_model_changes`` applied (e.g. ``p2p_bandwidth_inter``), ZeRO-1 gradient
     reduction and Adam. No planning time is modelled (``StepOverheads.plan_s`` 0).
     ``expert_parallel_size`` > 1 (MoE presets): the all-to-all dispatch in the cost model and
     the expert weights reduced over the expert-data-parallel groups; the paper's MoE runs are
-    "HDP + TP + PP", so its figures use 1."""
-    spec = model_spec(model, expert_parallel_size=expert_parallel_size)
+    "HDP + TP + PP", so its figures use 1. ``expert_tensor_parallel_size`` (None: the preset's
+    TP) splits each expert over that many GPUs (:mod:`..planner.moe_cost`); plans for the setup
+    keep ``spec.expert_lockstep_size`` HDP ranks in step (E with ETP = TP)."""
+    spec = model_spec(model, expert_parallel_size=expert_parallel_size,
+                      expert_tensor_parallel_size=expert_tensor_parallel_size)
     tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
     gpus = FIG17_GPUS[model] if gpus is None else gpus
     if gpus % (tp * pp):
         raise ValueError(f"{gpus} GPUs do not split into TP {tp} x PP {pp} replicas of {model}")
-    cm = preset_cost_model(model, hardware, expert_parallel_size=expert_parallel_size)
+    cm = preset_cost_model(model, hardware, expert_parallel_size=expert_parallel_size,
+                           expert_tensor_parallel_size=expert_tensor_parallel_size)
     if cost_model_changes:
         cm = cm.with_(**cost_model_changes)
     return ClusterSetup(

@@ -27,6 +27,7 @@ from .plan_inputs import (
     EP_SCHEDULERS,
     ep_lockstep_note,
     ep_refusal,
+    expert_flags,
     expert_parallel_size,
     load_cost_model,
     load_lengths,
@@ -85,6 +86,13 @@ def _fmt_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def _ep_label(args: argparse.Namespace, ep: int) -> str:
+    """``EP {ep}``, or with ``--expert-tensor-parallel-size`` the HDP ranks an expert group spans."""
+    if getattr(args, "etp_size", None) is None:
+        return f"EP {ep}"
+    return f"ETP {args.etp_size} x EP {args.ep_size or 1}: expert groups of {ep} HDP ranks"
 
 
 def _row(name: str, plan: Any, seconds: float) -> dict[str, Any]:
@@ -201,12 +209,13 @@ def run(args: argparse.Namespace) -> int:
     if args.vpp_size != 1:
         check_virtual_pipeline(args.vpp_size, pp_size, max(1, cost_model.num_layers // pp_size))
     ep = expert_parallel_size(args, cost_model)
+    flags = expert_flags(args, ep)
     if args.seq_split:
         check_seq_split(scheduler=args.scheduler, pp_size=pp_size, ep_size=ep,
                         virtual_pipeline_size=args.vpp_size, flag="--seq-split")
     topology = load_topology(args, cost_model)
     if ep > 1 and args.scheduler not in EP_SCHEDULERS:
-        raise ValueError(ep_refusal(args.scheduler, ep))
+        raise ValueError(ep_refusal(args.scheduler, ep, flags))
     _progress(args, f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens from {source}")
     context = args.context_length
     names = list(SCHEDULER_ORDER) if args.compare else [args.scheduler]
@@ -214,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     rows, failed = [], {}
     for name in names:
         if ep > 1 and name not in EP_SCHEDULERS:  # --compare: the row says why
-            failed[name] = ep_refusal(name, ep)
+            failed[name] = ep_refusal(name, ep, flags)
             continue
         _progress(args, f"planning with {name} on {args.hdp_size:,} HDP ranks ...")
         t0 = time.perf_counter()
@@ -238,20 +247,20 @@ def run(args: argparse.Namespace) -> int:
         plans[name] = plan
         rows.append(_row(name, plan, dt))
     if args.compare and args.megatron_hybrid_cp and ep > 1:
-        failed[MEGATRON_ROW] = ep_refusal("megatron-hybrid-cp", ep)
+        failed[MEGATRON_ROW] = ep_refusal("megatron-hybrid-cp", ep, flags)
     elif args.compare and args.megatron_hybrid_cp:  # Megatron's own scheduler, costed the same way
         _megatron_hybrid_cp_row(args, lengths, cost_model, pp_size, topology, plans, rows, failed)
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
           f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}"
-          f"{f', EP {ep} (ring micro-batches at one slot on all members)' if ep > 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"{f', {_ep_label(args, ep)} (ring micro-batches at one slot on all members)' if ep > 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
           f"{', two-level rings' if args.two_level_ring else ''}{', sequence split (balance)' if args.seq_split else ''}")
     _print_table(rows, failed)
     note = moe_note(args)
     if note:
         print(note)
     if ep > 1:
-        print(ep_lockstep_note(ep))
+        print(ep_lockstep_note(ep, flags))
     for plan in plans.values():
         _report_overlong(plan)
     chosen = plans[args.scheduler]

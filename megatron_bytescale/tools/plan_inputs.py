@@ -91,6 +91,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                          help="EP degree of a mixture-of-experts --model preset: experts split over this many "
                               "consecutive HDP ranks, tokens dispatched by all-to-all, which the cost model "
                               "charges (default 1: no all-to-all)")
+    cluster.add_argument("--expert-tensor-parallel-size", "--etp-size", dest="etp_size", type=positive_int,
+                         default=None,
+                         help="expert-TP degree of a mixture-of-experts --model preset: each expert split over "
+                              "this many GPUs; an expert group is then ETP x EP GPUs, i.e. max(1, ETP x EP / TP) "
+                              "HDP ranks that plans keep in step (default: the TP degree, Megatron's default)")
     cluster.add_argument("--model", default=None,
                          help="model preset: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b, "
                               "mistral-8x22b (default llama-7b; not with --cost-model)")
@@ -182,6 +187,9 @@ def moe_note(args: argparse.Namespace) -> str | None:
     ep = getattr(args, "ep_size", None) or spec.expert_parallel_size
     dispatch = (f"the all-to-all over expert-parallel groups of {ep}" if ep > 1
                 else "no all-to-all (expert parallelism 1)")
+    etp = getattr(args, "etp_size", None)
+    if etp is not None:
+        dispatch += f", experts split over {etp} GPUs (expert-tensor parallelism)"
     return (f"note: {spec.name} is a mixture-of-experts model ({spec.num_experts} experts, "
             f"top-{spec.moe_router_topk}); the cost model counts the router and top-"
             f"{spec.moe_router_topk} experts per token and the token dispatch ({dispatch}), "
@@ -196,9 +204,10 @@ EP_SCHEDULERS = ("balance", "static")
 
 
 def expert_parallel_size(args: argparse.Namespace, cost_model: Any) -> int:
-    """E the plans must honour: the cost model's (``--expert-model-parallel-size``, else the
-    ``--model`` preset's or the ``--cost-model`` file's); it must divide ``--hdp-size``."""
-    ep = int(getattr(cost_model, "expert_parallel_size", 1))
+    """The plans' ``ep_size``: the HDP ranks one expert group spans, which plans keep in step
+    (:attr:`.CostModel.plan_ep_size`: E, or ``max(1, ETP x E / TP)`` with
+    ``--expert-tensor-parallel-size``; the ``--cost-model`` file's); it must divide ``--hdp-size``."""
+    ep = int(getattr(cost_model, "plan_ep_size", getattr(cost_model, "expert_parallel_size", 1)))
     hdp = getattr(args, "hdp_size", None)
     if ep > 1 and hdp is not None and hdp % ep:
         raise ValueError(f"expert-parallel size {ep} (of the cost model) must divide --hdp-size ({hdp}): "
@@ -206,17 +215,30 @@ def expert_parallel_size(args: argparse.Namespace, cost_model: Any) -> int:
     return ep
 
 
-def ep_lockstep_note(ep: int) -> str:
-    """What estimates and simulated steps at expert parallelism ``ep`` charge, in one line."""
-    return (f"note: with --expert-model-parallel-size {ep} the members of an expert group wait for each "
+def expert_flags(args: argparse.Namespace, ep: int) -> str:
+    """The flags that make expert groups of ``ep`` HDP ranks, as messages name them."""
+    etp = getattr(args, "etp_size", None)
+    if etp is None:
+        return f"--expert-model-parallel-size {ep}"
+    return (f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {args.ep_size or 1} "
+            f"(expert groups of {ep} HDP ranks)")
+
+
+def ep_lockstep_note(ep: int, flags: str | None = None) -> str:
+    """What estimates and simulated steps at expert parallelism ``ep`` charge, in one line
+    (``flags``: :func:`expert_flags`, default ``--expert-model-parallel-size {ep}``)."""
+    flags = flags or f"--expert-model-parallel-size {ep}"
+    return (f"note: with {flags} the members of an expert group wait for each "
             "other in every slot (each MoE layer's all-to-all); the estimated steps charge that wait, "
             "an empty slot included, and balance sorts each member's micro-batches so that similar ones "
             "share a slot (docs/moe.md)")
 
 
-def ep_refusal(scheduler: str, ep: int) -> str:
-    """Why ``scheduler`` cannot plan for expert parallelism ``ep``, in one line."""
-    return (f"scheduler {scheduler!r} cannot plan for --expert-model-parallel-size {ep}: it does not guarantee "
+def ep_refusal(scheduler: str, ep: int, flags: str | None = None) -> str:
+    """Why ``scheduler`` cannot plan for expert parallelism ``ep``, in one line (``flags``:
+    :func:`expert_flags`, default ``--expert-model-parallel-size {ep}``)."""
+    flags = flags or f"--expert-model-parallel-size {ep}"
+    return (f"scheduler {scheduler!r} cannot plan for {flags}: it does not guarantee "
             "every ring micro-batch the same local index on all its members, which the experts' "
             f"all-to-all needs; use " + " or ".join(f"--scheduler {s}" for s in EP_SCHEDULERS))
 
@@ -226,26 +248,42 @@ def load_cost_model(args: argparse.Namespace) -> tuple[Any, int]:
     TP; two-level rings with ``--two-level-ring``) and the PP size (``--pp-size``, else the
     preset's, else 1)."""
     from ..planner.cost_model import CostModel
+    from ..planner.expert_layout import expert_lockstep_refusal, expert_lockstep_size
     from ..planner.presets import model_spec, preset_cost_model
 
     model = model_name(args)
     ep = getattr(args, "ep_size", None)
+    etp = getattr(args, "etp_size", None)
     if args.cost_model:
-        if ep is not None:
-            raise ValueError(f"--expert-model-parallel-size {ep} applies to a --model preset; a cost model "
-                             "file already holds its MoE dispatch terms (bytescale profile --num-experts)")
+        for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} applies to a --model preset; a cost model file already "
+                                 "holds its MoE dispatch terms (bytescale profile --num-experts)")
         cm, pp = CostModel.load(args.cost_model), args.pp_size or 1
     else:
-        if ep is not None and ep > 1 and model_spec(model).num_experts <= 1:
+        spec = model_spec(model)
+        if ep is not None and ep > 1 and spec.num_experts <= 1:
             raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts --model "
                              f"(mistral-8x7b, mistral-8x22b); {model} is dense")
+        tp = args.tensor_model_parallel_size or spec.tensor_parallel_size
+        if etp is not None and etp != tp and spec.num_experts <= 1:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts --model "
+                             f"(mistral-8x7b, mistral-8x22b); {model} is dense")
+        why = (expert_lockstep_refusal(tp, etp, ep or spec.expert_parallel_size, who="HDP plans cannot keep "
+                                       "in step") if etp is not None else None)
+        if why:
+            raise ValueError(why)
         hdp = getattr(args, "hdp_size", None)
-        if ep is not None and hdp is not None and hdp % ep:
-            raise ValueError(f"--expert-model-parallel-size ({ep}) must divide --hdp-size ({hdp}): expert "
-                             "groups are that many consecutive HDP ranks")
+        block = expert_lockstep_size(tp, etp, ep or spec.expert_parallel_size) if etp is not None else ep
+        if block is not None and hdp is not None and hdp % block:
+            what = (f"--expert-model-parallel-size ({ep})" if etp is None else
+                    f"an expert group of --expert-tensor-parallel-size {etp} x --expert-model-parallel-size "
+                    f"{ep or spec.expert_parallel_size} GPUs ({block} HDP ranks of TP {tp})")
+            raise ValueError(f"{what} must divide --hdp-size ({hdp}): expert groups are that many "
+                             "consecutive HDP ranks")
         cm = preset_cost_model(model, getattr(args, "hardware", "h100"),
                                tensor_parallel_size=args.tensor_model_parallel_size,
-                               expert_parallel_size=ep)
+                               expert_parallel_size=ep, expert_tensor_parallel_size=etp)
         pp = args.pp_size or model_spec(model).pipeline_parallel_size
     if getattr(args, "two_level_ring", False):
         cm = cm.with_(two_level_ring=True)

@@ -30,6 +30,7 @@ from .plan_inputs import (
     check_global_tokens,
     EP_SCHEDULERS,
     ep_lockstep_note,
+    expert_flags,
     expert_parallel_size,
     load_cost_model,
     load_lengths,
@@ -141,7 +142,7 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     from ..planner.presets import model_spec
     from ..sim.overheads import H100_OPTIMIZER_S_PER_PARAM, StepOverheads, parameter_count
 
-    experts, ep = 0.0, 1
+    experts, ep, etp = 0.0, 1, tp
     if args.model_params is not None:
         if not args.model_params >= 1:
             raise ValueError(f"--model-params ({args.model_params:g}) must be >= 1")
@@ -153,14 +154,17 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
         counts = parameter_count(spec)
         total = counts["total"]
         ep = getattr(args, "ep_size", None) or spec.expert_parallel_size
-        experts = counts["experts_per_layer"] * spec.num_layers if ep > 1 else 0.0
+        etp = getattr(args, "etp_size", None) or tp
+        experts = counts["experts_per_layer"] * spec.num_layers if ep > 1 or etp != tp else 0.0
     for flag in ("load_s", "plan_time_s"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} ({value:g}) must be a finite number of seconds >= 0")
-    on_rank = (total - experts + experts / ep) / (tp * pp)  # 1 / E of the experts with EP
+    # 1 / E of the experts with EP, each split over ETP GPUs (tp / etp is 1.0 when ETP = TP)
+    on_rank = (total - experts + experts / ep * (tp / etp)) / (tp * pp)
     overheads = StepOverheads(
-        params_per_rank=on_rank, expert_params_per_rank=experts / ep / (tp * pp), expert_parallel_size=ep,
+        params_per_rank=on_rank, expert_params_per_rank=experts / ep / (etp * pp), expert_parallel_size=ep,
+        tensor_parallel_size=tp, expert_tensor_parallel_size=None if etp == tp else etp,
         grad_bytes_per_param=float(args.grad_reduce_bytes),
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_s_per_param=0.0 if args.cost_model else H100_OPTIMIZER_S_PER_PARAM,
@@ -169,8 +173,9 @@ def _overheads(args: argparse.Namespace, *, tp: int, pp: int) -> tuple[Any, str]
     if total <= 0:
         return overheads, "gradient reduction and optimizer not modelled (pass --model-params)"
     how = "plain all-reduce" if args.no_distributed_optimizer else "ZeRO-1 over the HDP group"
-    if ep > 1:
-        how += f" (experts over the {ep}-way expert-parallel split's data-parallel groups)"
+    if ep > 1 or etp != tp:
+        how += (f" (experts over the {ep}-way expert-parallel split's data-parallel groups"
+                + (f", each expert over {etp} GPUs)" if etp != tp else ")"))
     return overheads, f"{total / 1e9:.3g}B parameters, {how}, {args.grad_reduce_bytes}-byte gradients"
 
 
@@ -207,8 +212,8 @@ def _variants_for_ep(args: argparse.Namespace, variants: list[Any], ep: int) -> 
     keep = [v for v in variants if v.scheduler in EP_SCHEDULERS]
     skipped = [v for v in variants if v.scheduler not in EP_SCHEDULERS]
     if not keep:
-        raise ValueError(f"--variants {args.variants}: none of them plans for --expert-model-parallel-size "
-                         f"{ep} (ring micro-batches at one local index on all members); use balance, "
+        raise ValueError(f"--variants {args.variants}: none of them plans for {expert_flags(args, ep)} "
+                         f"(ring micro-batches at one local index on all members); use balance, "
                          "balance+lookahead or static")
     return keep, skipped
 
@@ -270,12 +275,12 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         print(f"note: {', '.join(v.name for v in skipped)} skipped: their schedulers do not guarantee "
               f"every ring micro-batch the same local index on all its members, which "
-              f"--expert-model-parallel-size {ep} needs; balance and static plans here keep it")
+              f"{expert_flags(args, ep)} needs; balance and static plans here keep it")
     note = moe_note(args)
     if note:
         print(note)
     if ep > 1:
-        print(ep_lockstep_note(ep))
+        print(ep_lockstep_note(ep, expert_flags(args, ep)))
     for line in errors(summaries):
         print(line)
     status = 0

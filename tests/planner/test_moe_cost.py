@@ -172,3 +172,187 @@ def test_expert_gradients_reduce_over_the_expert_data_parallel_group_by_hand():
     po = preset_overheads(spec, tensor_parallel_size=2, pp_size=2)
     assert (po.expert_params_per_rank, po.expert_parallel_size) == (2 * 3 * 1024 * 2048 * 2 / 2, 4)
     assert preset_overheads(moe(), tensor_parallel_size=1, pp_size=1).expert_params_per_rank == 0.0
+
+
+# --------------------------------------------------------------------------- expert-tensor parallelism
+def _dispatch_before_etp(model, hardware):
+    """The dispatch terms as computed before ETP was modelled (expert TP = TP), frozen here so
+    that the ETP = TP numbers are checked bit for bit against them."""
+    ep, tp = model.expert_parallel_size, model.tensor_parallel_size
+    copy = model.moe_router_topk * model.hidden_size * model.dtype_bytes
+    on_node = min(ep, max(1, hardware.gpus_per_node // tp))
+    a2a_intra = 4 * copy * (on_node - 1) / ep / tp
+    a2a_inter = 4 * copy * (ep - on_node) / ep / tp
+    tp_bytes = 4 * copy * (tp - 1) / tp
+    a2a_s = max(a2a_intra / hardware.p2p_bandwidth_intra, a2a_inter / hardware.p2p_bandwidth_inter)
+    permute = 8.0 * copy / tp
+    return (a2a_intra + a2a_inter, a2a_intra, a2a_inter, tp_bytes, permute,
+            a2a_s + tp_bytes / hardware.p2p_bandwidth_intra, 4 * ((ep > 1) + (tp > 1)) * hardware.p2p_latency_s,
+            permute / hardware.memory_bandwidth)
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_etp_equal_to_tp_gives_the_numbers_from_before(tp, ep, gpus_per_node):
+    hw = replace(HW, gpus_per_node=gpus_per_node)
+    default, explicit = moe(tensor_parallel_size=tp, expert_parallel_size=ep), \
+        moe(tensor_parallel_size=tp, expert_parallel_size=ep, expert_tensor_parallel_size=tp)
+    before = _dispatch_before_etp(default, hw)
+    for spec in (default, explicit):
+        d = moe_dispatch(spec, hw)
+        assert (d.a2a_bytes_per_token, d.a2a_intra_bytes_per_token, d.a2a_inter_bytes_per_token,
+                d.tp_bytes_per_token, d.permute_bytes_per_token, d.seconds_per_token, d.seconds,
+                d.permute_s_per_token) == before  # exactly, not approximately
+        assert spec.expert_lockstep_size == ep
+        cm = analytic_cost_model(spec, hw)
+        assert (cm.expert_lockstep_size, cm.plan_ep_size) == (None, ep)
+    assert analytic_cost_model(explicit, hw) == analytic_cost_model(default, hw)
+
+
+def test_dispatch_tp2_etp1_ep2_by_hand():
+    # the expert group is one HDP rank's TP group: 1 all-to-all peer 1 GPU away, no expert-TP gather
+    spec = moe(tensor_parallel_size=2, expert_tensor_parallel_size=1, expert_parallel_size=2)
+    d = moe_dispatch(spec, HW)
+    assert (d.a2a_intra_bytes_per_token, d.a2a_inter_bytes_per_token) == (4 * 4096 * 1 / 2 / 2, 0.0)  # 4096
+    assert d.tp_bytes_per_token == 0.0
+    assert d.seconds_per_token == 4096 / 100e9
+    assert d.seconds == pytest.approx(4 * 1e-5)  # the all-to-alls only
+    assert d.permute_bytes_per_token == 8 * 4096 / 2  # the rank's own s / TP tokens
+    assert spec.expert_lockstep_size == 1  # inside one TP group: no slot rule
+    cm = analytic_cost_model(spec, HW)
+    assert (cm.expert_parallel_size, cm.expert_lockstep_size, cm.plan_ep_size) == (2, 1, 1)
+    assert cm.moe_tp_bytes_per_token == 0.0 and cm.moe_a2a_bytes_per_token == 4096
+
+
+def test_dispatch_tp1_etp2_ep2_by_hand():
+    # members 2 GPUs apart (4 a node): 1 peer on the node; each expert over 2 GPUs: 1 gather peer
+    spec = moe(tensor_parallel_size=1, expert_tensor_parallel_size=2, expert_parallel_size=2)
+    d = moe_dispatch(spec, HW)
+    assert (d.a2a_intra_bytes_per_token, d.a2a_inter_bytes_per_token) == (4 * 4096 * 1 / 2, 0.0)  # 8192
+    assert d.tp_bytes_per_token == 4 * 4096 * 1 / 1  # (ETP - 1) / TP of the share: 16384
+    assert d.seconds_per_token == pytest.approx((8192 + 16384) / 100e9)
+    assert d.seconds == pytest.approx(8 * 1e-5)  # 4 all-to-alls + 4 expert-TP collectives
+    assert d.permute_bytes_per_token == 8 * 4096
+    assert spec.expert_lockstep_size == 4  # 2 x 2 GPUs = 4 HDP ranks of TP 1
+    assert analytic_cost_model(spec, HW).plan_ep_size == 4
+
+
+def test_dispatch_tp4_etp2_by_hand_intra_and_inter_node():
+    # EP 4 x ETP 2 = 8 GPUs, one node: all 3 peers on NVLink (with ETP = TP = 4: 1 on the node, 2 off)
+    d = moe_dispatch(moe(tensor_parallel_size=4, expert_tensor_parallel_size=2, expert_parallel_size=4), HW)
+    assert (d.a2a_intra_bytes_per_token, d.a2a_inter_bytes_per_token) == (4 * 4096 * 3 / 4 / 4, 0.0)  # 3072
+    assert d.tp_bytes_per_token == 4 * 4096 * 1 / 4  # 4096
+    assert d.seconds_per_token == pytest.approx((3072 + 4096) / 100e9)
+    same_tp = moe_dispatch(moe(tensor_parallel_size=4, expert_parallel_size=4), HW)
+    assert (same_tp.a2a_intra_bytes_per_token, same_tp.a2a_inter_bytes_per_token) == (1024, 2048)
+    assert same_tp.tp_bytes_per_token == 4 * 4096 * 3 / 4
+    # EP 8 x ETP 2 = 16 GPUs: 4 members a node, 3 peers on it and 4 on the other node
+    spec = moe(tensor_parallel_size=4, expert_tensor_parallel_size=2, expert_parallel_size=8)
+    d = moe_dispatch(spec, HW)
+    assert (d.a2a_intra_bytes_per_token, d.a2a_inter_bytes_per_token) == (4 * 4096 * 3 / 8 / 4, 4 * 4096 * 4 / 8 / 4)
+    assert d.seconds_per_token == pytest.approx(max(1536 / 100e9, 2048 / 10e9) + 4096 / 100e9)
+    assert d.permute_bytes_per_token == 8 * 4096 / 4
+    assert (spec.expert_lockstep_size, analytic_cost_model(spec, HW).plan_ep_size) == (4, 4)
+    assert moe(tensor_parallel_size=4, expert_tensor_parallel_size=2, expert_parallel_size=4).expert_lockstep_size == 2
+
+
+def test_expert_tp_wider_than_a_node_gathers_over_the_network():
+    d = moe_dispatch(moe(expert_tensor_parallel_size=4), replace(HW, gpus_per_node=2))  # TP 1, EP 1
+    assert d.tp_bytes_per_token == 4 * 4096 * 3
+    assert d.seconds_per_token == pytest.approx(4 * 4096 * 3 / 10e9)
+    assert moe_dispatch(moe(expert_tensor_parallel_size=2), replace(HW, gpus_per_node=2)).seconds_per_token \
+        == pytest.approx(4 * 4096 / 100e9)
+
+
+def test_bad_expert_tensor_parallel_sizes_are_refused_by_name():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"expert_tensor_parallel_size \({bad!r}\) must be an integer >= 1"):
+            moe(expert_tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(3\) x expert_parallel_size \(1\) = 3 and "
+                                         r"tensor_parallel_size \(2\) do not divide one another.*choose sizes"):
+        moe(tensor_parallel_size=2, expert_tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(1\) x expert_parallel_size \(3\) = 3 and "
+                                         r"tensor_parallel_size \(4\) do not divide one another"):
+        moe(num_experts=6, tensor_parallel_size=4, expert_tensor_parallel_size=1, expert_parallel_size=3)
+    assert moe(tensor_parallel_size=4, expert_tensor_parallel_size=1, expert_parallel_size=2).expert_lockstep_size == 1
+    with pytest.raises(ValueError, match=r"dense \(num_experts 1\): expert_tensor_parallel_size \(1\)"):
+        moe(num_experts=1, moe_router_topk=1, tensor_parallel_size=2, expert_tensor_parallel_size=1)
+    moe(num_experts=1, moe_router_topk=1, tensor_parallel_size=2, expert_tensor_parallel_size=2)  # = TP: fine
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(0\) must be an integer >= 1"):
+        moe_dispatch(moe(), HW, expert_tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="do not divide one another"):
+        moe_dispatch(moe(tensor_parallel_size=2), HW, expert_tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_lockstep_size \(0\) must be an integer >= 1"):
+        bare(expert_lockstep_size=0)
+    with pytest.raises(ValueError, match=r"expert_lockstep_size \(True\)"):
+        bare(expert_lockstep_size=True)
+
+
+def test_lockstep_size_round_trips_and_old_files_load(tmp_path):
+    cm = preset_cost_model("mistral-8x7b", "h100", expert_parallel_size=2, expert_tensor_parallel_size=2)
+    assert cm.name == "mistral-8x7b-tp4-ep2-etp2@h100"  # TP 4 x ETP 2 x EP 2: one HDP rank
+    assert (cm.expert_lockstep_size, cm.plan_ep_size) == (1, 1)
+    cm8 = preset_cost_model("mistral-8x7b", "h100", expert_parallel_size=8, expert_tensor_parallel_size=2)
+    assert (cm8.expert_lockstep_size, cm8.plan_ep_size) == (4, 4)
+    cm8.save(tmp_path / "cm.json")
+    assert CostModel.load(tmp_path / "cm.json") == cm8
+    old = {k: v for k, v in cm8.to_dict().items() if k != "expert_lockstep_size"}  # written before ETP
+    assert CostModel.from_dict(old).plan_ep_size == 8
+
+
+def test_expert_gradients_with_expert_tensor_parallelism_by_hand():
+    from megatron_bytescale.sim.overheads import StepOverheads, params_per_rank, parameter_count, preset_overheads
+
+    cm = bare(p2p_bandwidth_inter=1e9, p2p_latency_s=0.0)
+
+    def zero1(dense_n, experts_n):  # ZeRO-1 bytes (4 + 2) of 400 dense and 600 expert parameters
+        return (((dense_n - 1) / dense_n * 400 + (experts_n - 1) / experts_n * 600) * 6) / 1e9
+
+    def overheads(tp, etp, ep):
+        return StepOverheads(params_per_rank=1000.0, expert_params_per_rank=600.0, expert_parallel_size=ep,
+                             tensor_parallel_size=tp, expert_tensor_parallel_size=etp, optimizer_s_per_param=1.0)
+
+    # expert-data-parallel group: N x TP GPUs of a stage over the ETP x E of an expert group
+    o = overheads(1, 2, 2)  # TP 1 x ETP 2 x EP 2 on 16 HDP ranks: 16 / 4 = 4
+    assert o.expert_data_parallel_size(16) == 4
+    assert o.grad_reduce_s(16, cm, one_node=False) == pytest.approx(zero1(16, 4))
+    assert o.optimizer_s(16) == pytest.approx(400 / 16 + 600 / 4)
+    o = overheads(4, 2, 4)  # TP 4 x ETP 2 x EP 4 on 8: 32 GPUs / 8 = 4
+    assert o.expert_data_parallel_size(8) == 4
+    assert o.grad_reduce_s(8, cm, one_node=False) == pytest.approx(zero1(8, 4))
+    o = overheads(4, 1, 2)  # TP 4 x ETP 1 x EP 2 on 8: the group inside a TP group, 32 / 2 = 16
+    assert o.expert_data_parallel_size(8) == 16
+    assert o.grad_reduce_s(8, cm, one_node=False) == pytest.approx(zero1(8, 16))
+    o = overheads(2, 1, 2)  # TP 2 x ETP 1 x EP 2 on 8: 16 / 2 = 8 = N, one reduction as for dense
+    assert o.expert_data_parallel_size(8) == 8
+    assert o.grad_reduce_s(8, cm, one_node=False) == pytest.approx(7 / 8 * 1000 * 6 / 1e9)
+    for tp, ep in ((1, 4), (4, 4), (8, 2)):  # ETP = TP (or None): N / E as before, exactly
+        same, default = overheads(tp, tp, ep), overheads(tp, None, ep)
+        before = StepOverheads(params_per_rank=1000.0, expert_params_per_rank=600.0, expert_parallel_size=ep,
+                               optimizer_s_per_param=1.0)
+        assert same.grad_reduce_s(16, cm) == default.grad_reduce_s(16, cm) == before.grad_reduce_s(16, cm)
+        assert same.optimizer_s(16) == before.optimizer_s(16)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(0\) must be an integer >= 1"):
+        overheads(1, 0, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(True\) must be an integer >= 1"):
+        overheads(True, None, 2)
+
+    # per GPU: 1 / E of the experts, each over ETP GPUs; the rest over TP
+    counts = parameter_count(moe())
+    dense_layer = counts["per_layer"] - counts["experts_per_layer"]
+    expert = 3 * 1024 * 2048
+    spec = moe(tensor_parallel_size=2, expert_tensor_parallel_size=1, expert_parallel_size=2)
+    assert params_per_rank(spec, tensor_parallel_size=2, pp_size=1) == pytest.approx(
+        (dense_layer * 4 + 2 * 1000 * 1024) / 2 + 4 * expert * 4 / 1)  # 4 of the 8 experts, whole
+    po = preset_overheads(spec, tensor_parallel_size=2, pp_size=1)
+    assert (po.expert_params_per_rank, po.expert_tensor_parallel_size, po.tensor_parallel_size) == (
+        4 * expert * 4, 1, 2)
+    spec = moe(tensor_parallel_size=1, expert_tensor_parallel_size=2, expert_parallel_size=2)
+    assert params_per_rank(spec, tensor_parallel_size=1, pp_size=1) == pytest.approx(
+        dense_layer * 4 + 2 * 1000 * 1024 + 4 * expert * 4 / 2)  # 4 experts, half of each
+    spec = moe(tensor_parallel_size=4, expert_tensor_parallel_size=1)  # EP 1: every expert, whole
+    po = preset_overheads(spec, tensor_parallel_size=4, pp_size=2)
+    assert po.expert_params_per_rank == 8 * expert * 2 and po.expert_data_parallel_size(4) == 16
+    spec = moe(tensor_parallel_size=2, expert_parallel_size=4)  # ETP = TP: bit for bit as before
+    assert params_per_rank(spec, tensor_parallel_size=2, pp_size=2) == ((dense_layer + 2 * expert) * 2 + 1000 * 1024) / 2

@@ -203,3 +203,52 @@ def test_cli_ep_of_a_cost_model_file(tmp_path, capsys):
     assert main(base + ["--hdp-size", "7"]) == 2
     err = capsys.readouterr().err
     assert "expert-parallel size 2 (of the cost model) must divide --hdp-size (7)" in err
+
+
+def test_cli_expert_tensor_parallel_size_sets_the_plans_expert_groups(tmp_path, capsys):
+    """--expert-tensor-parallel-size P: an expert group is P x E GPUs, so the plan keeps
+    max(1, P E / TP) HDP ranks in step (mistral-8x7b is TP 4), not E."""
+    out = tmp_path / "plan.json"
+    assert main(EP_ARGS + ["--scheduler", "balance", "--ep-size", "8", "--etp-size", "2", "--validate",
+                           "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ETP 2 x EP 8: expert groups of 4 HDP ranks (ring micro-batches at one slot on all members)" in printed
+    assert "cost model mistral-8x7b-tp4-ep8-etp2@h100" in printed
+    assert ("note: with --expert-tensor-parallel-size 2 x --expert-model-parallel-size 8 (expert groups of 4 "
+            "HDP ranks) the members of an expert group wait") in printed
+    assert StepPlan.from_json(out.read_text()).ep_size == 4
+    # ETP 2 x EP 2 = 4 GPUs = one HDP rank's TP group: no slot rule, every scheduler plans
+    assert main(EP_ARGS + ["--scheduler", "naive", "--ep-size", "2", "--etp-size", "2", "--json", str(out)]) == 0
+    assert StepPlan.from_json(out.read_text()).ep_size == 1
+    assert "expert group wait" not in capsys.readouterr().out
+    assert main(EP_ARGS + ["--scheduler", "pow2", "--ep-size", "8", "--etp-size", "1"]) == 2  # 2 HDP ranks
+    assert ("scheduler 'pow2' cannot plan for --expert-tensor-parallel-size 1 x --expert-model-parallel-size 8 "
+            "(expert groups of 2 HDP ranks)") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--etp-size", "3"], "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and "
+                          "--tensor-model-parallel-size 4 do not divide one another, which HDP plans cannot "
+                          "keep in step"),
+    (["--ep-size", "8", "--etp-size", "2", "--hdp-size", "6"],
+     "an expert group of --expert-tensor-parallel-size 2 x --expert-model-parallel-size 8 GPUs (4 HDP ranks "
+     "of TP 4) must divide --hdp-size (6)"),
+    (["--model", "llama-7b", "--etp-size", "2"], "--expert-tensor-parallel-size 2 needs a mixture-of-experts"),
+])
+def test_cli_bad_expert_tensor_parallel_sizes_are_refused_by_flag(argv, match, capsys):
+    assert main(EP_ARGS + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0]
+
+
+def test_cli_expert_tensor_parallel_size_of_a_cost_model_file(tmp_path, capsys):
+    path = tmp_path / "cm.json"
+    preset_cost_model("mistral-8x7b", expert_parallel_size=8, expert_tensor_parallel_size=2).save(path)
+    base = ["--global-tokens", "200000", "--no-offload", "--quiet", "--cost-model", str(path),
+            "--context-length", "65536"]
+    out = tmp_path / "plan.json"
+    assert main(base + ["--hdp-size", "8", "--json", str(out)]) == 0
+    assert StepPlan.from_json(out.read_text()).ep_size == 4  # the file's lockstep, not its E 8
+    capsys.readouterr()
+    assert main(base + ["--hdp-size", "8", "--etp-size", "2"]) == 2
+    assert "--expert-tensor-parallel-size 2 applies to a --model preset" in capsys.readouterr().err

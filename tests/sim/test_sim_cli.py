@@ -169,3 +169,30 @@ def test_cli_ep_bad_input_is_one_line_exit_2(argv, match, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("bytescale simulate: error: ")
     assert re.search(match, err[0]), err[0]
+
+
+def test_cli_expert_tensor_parallel_size_plans_the_expert_groups_hdp_ranks(monkeypatch, capsys):
+    """--expert-tensor-parallel-size P with E: plans keep max(1, P E / TP) HDP ranks in step (TP 4
+    here), the cost model and the expert weights' reduction follow P."""
+    from megatron_bytescale.sim import variants
+
+    seen, real = [], variants.make_plan
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["scheduler"], kwargs["ep_size"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(variants, "make_plan", spy)
+    assert main(EP_ARGS + ["--ep-size", "8", "--etp-size", "2", "--variants", "static,balance,naive"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(set(seen)) == [("balance", 4), ("static", 4)]
+    assert "cost model mistral-8x7b-tp4-ep8-etp2@paper-fit" in out
+    assert "(experts over the 8-way expert-parallel split's data-parallel groups, each expert over 2 GPUs)" in out
+    assert ("naive skipped: their schedulers do not guarantee every ring micro-batch the same local index on "
+            "all its members, which --expert-tensor-parallel-size 2 x --expert-model-parallel-size 8 "
+            "(expert groups of 4 HDP ranks) needs") in out
+    seen.clear()
+    assert main(EP_ARGS + ["--ep-size", "2", "--etp-size", "1", "--variants", "static,naive"]) == 0  # in a TP group
+    assert sorted(set(seen)) == [("naive", 1), ("static", 1)]
+    assert main(EP_ARGS + ["--etp-size", "3"]) == 2
+    assert "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3" in capsys.readouterr().err
