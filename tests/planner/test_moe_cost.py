@@ -354,5 +354,7 @@ def test_expert_gradients_with_expert_tensor_parallelism_by_hand():
     spec = moe(tensor_parallel_size=4, expert_tensor_parallel_size=1)  # EP 1: every expert, whole
     po = preset_overheads(spec, tensor_parallel_size=4, pp_size=2)
     assert po.expert_params_per_rank == 8 * expert * 2 and po.expert_data_parallel_size(4) == 16
+    o = overheads(4, 1, 1)  # EP 1, ETP 1 under TP 4 on 4 HDP ranks: experts over 16 GPUs, not 4
+    assert o.grad_reduce_s(4, cm, one_node=False) == pytest.approx(zero1(4, 16))
     spec = moe(tensor_parallel_size=2, expert_parallel_size=4)  # ETP = TP: bit for bit as before
     assert params_per_rank(spec, tensor_parallel_size=2, pp_size=2) == ((dense_layer + 2 * expert) * 2 + 1000 * 1024) / 2

@@ -196,3 +196,22 @@ def test_cli_expert_tensor_parallel_size_plans_the_expert_groups_hdp_ranks(monke
     assert sorted(set(seen)) == [("naive", 1), ("static", 1)]
     assert main(EP_ARGS + ["--etp-size", "3"]) == 2
     assert "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3" in capsys.readouterr().err
+
+
+def test_cli_overheads_split_each_expert_over_the_expert_tensor_parallel_size():
+    from megatron_bytescale.planner.presets import model_spec
+    from megatron_bytescale.sim.overheads import parameter_count
+    from megatron_bytescale.tools.simulate_cmd import _overheads, build_parser
+
+    spec = model_spec("mistral-8x7b")
+    counts = parameter_count(spec)
+    experts = counts["experts_per_layer"] * spec.num_layers
+    args = build_parser().parse_args(EP_ARGS + ["--ep-size", "8", "--etp-size", "2"])
+    o, _ = _overheads(args, tp=4, pp=1)
+    assert o.expert_params_per_rank == pytest.approx(experts / 8 / 2)  # 1 of 8 experts, half of it
+    assert o.params_per_rank == pytest.approx((counts["total"] - experts) / 4 + experts / 8 / 2)
+    assert (o.tensor_parallel_size, o.expert_tensor_parallel_size, o.expert_data_parallel_size(8)) == (4, 2, 2)
+    same, _ = _overheads(build_parser().parse_args(EP_ARGS + ["--ep-size", "8", "--etp-size", "4"]), tp=4, pp=1)
+    before, _ = _overheads(build_parser().parse_args(EP_ARGS + ["--ep-size", "8"]), tp=4, pp=1)
+    assert same.params_per_rank == before.params_per_rank == (counts["total"] - experts + experts / 8) / 4
+    assert same.expert_params_per_rank == before.expert_params_per_rank == experts / 8 / 4
