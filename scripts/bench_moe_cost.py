@@ -58,9 +58,10 @@ def terms_rows() -> list[list[str]]:
         spec = model_spec(model)
         before = before_changes(model)["beta1"]
         after = preset_cost_model(model, paper.PAPER_HARDWARE)
-        for ep in (1, 2, 4, 8):
-            d = moe_dispatch(spec, hw, expert_parallel_size=ep)
-            rows.append([model, f"TP {spec.tensor_parallel_size}", f"EP {ep}", f"{before * 1e9:.1f}",
+        tp = spec.tensor_parallel_size
+        for etp, ep in [(tp, 1), (tp, 2), (tp, 4), (tp, 8), (1, 8), (2, 8)]:  # ETP = TP, then two others
+            d = moe_dispatch(spec, hw, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
+            rows.append([model, f"TP {tp}", f"ETP {etp}", f"EP {ep}", f"{before * 1e9:.1f}",
                          f"{after.beta1 * 1e9:.1f}", f"{d.seconds_per_token * 1e9:.1f}",
                          f"{d.seconds * 1e6:.0f}", f"{d.a2a_intra_bytes_per_token / 1e3:.1f}",
                          f"{d.a2a_inter_bytes_per_token / 1e3:.1f}", f"{d.tp_bytes_per_token / 1e3:.1f}"])
@@ -104,18 +105,20 @@ def section(results: dict, seconds: float) -> str:
         "### MoE cost model: token dispatch in the Mistral presets (`scripts/bench_moe_cost.py`)",
         "",
         "Per layer, one rank, forward + backward, per token of the rank's sequence share (paper-fit "
-        "hardware: NVLink 360 GB/s, network 57 GB/s, 10 us per collective, HBM 3.35 TB/s; EP groups "
-        "of E consecutive HDP ranks, GPUs per node / TP HDP ranks a node). 'linear before' is "
+        "hardware: NVLink 360 GB/s, network 57 GB/s, 10 us per collective, HBM 3.35 TB/s, 8 GPUs a "
+        "node; an EP group's members sit ETP GPUs apart, i.e. E consecutive HDP ranks when ETP = TP, "
+        "the presets' default; the last two rows of each model split experts over 1 and 2 GPUs "
+        "instead). 'linear before' is "
         "beta1 of the model Fig. 17 was generated with (router + top-k experts as FLOPs), 'after' "
-        "adds the dispatcher's permute copies; 'dispatch' is the exposed all-to-all and TP "
-        "all-gather/reduce-scatter time (`moe_dispatch_s_per_token`), 'latency' its per-micro-batch "
-        "constant; bytes are what one rank sends per token in the four all-to-alls (on the node / "
-        "across nodes) and in the four TP collectives. Formulas: `planner/moe_cost.py`; tests by "
-        "hand: `tests/planner/test_moe_cost.py`.",
+        "adds the dispatcher's permute copies (ETP does not change them); 'dispatch' is the exposed "
+        "all-to-all and expert-TP all-gather/reduce-scatter time (`moe_dispatch_s_per_token`), "
+        "'latency' its per-micro-batch constant; bytes are what one rank sends per token in the four "
+        "all-to-alls (on the node / across nodes) and in the four expert-TP collectives. Formulas: "
+        "`planner/moe_cost.py`; tests by hand: `tests/planner/test_moe_cost.py`.",
         "",
-        markdown_table(["model", "TP", "EP", "linear before (ns/token)", "linear after (ns/token)",
+        markdown_table(["model", "TP", "ETP", "EP", "linear before (ns/token)", "linear after (ns/token)",
                         "dispatch (ns/token)", "latency (us)", "a2a on node (kB/token)",
-                        "a2a across (kB/token)", "TP collectives (kB/token)"], terms_rows()),
+                        "a2a across (kB/token)", "expert-TP collectives (kB/token)"], terms_rows()),
         "",
         "Fig. 17's Mistral panels rerun (32M-token batches, seed 0, C = 8K, preset TP x PP, "
         "paper-fit, no planning time; tokens/s of the whole cluster). 'before': the cost model "

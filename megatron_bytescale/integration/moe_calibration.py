@@ -3,8 +3,10 @@
 ``bytescale profile --num-experts N`` times the decoder layers with megatron-core's MoE layer
 (router, the dispatcher's permute copies and, with TP, its all-gathers, the experts) like any
 other layer: those costs land in T(s). What it cannot time at EP 1 is the all-to-all of an
-expert group. :func:`measure_moe_all_to_all` times it directly: every rank of each group of
-``ep_size`` consecutive HDP ranks sends its ``k`` routed copies of ``n`` tokens (``k * n``
+expert group. :func:`measure_moe_all_to_all` times it directly over megatron-core's EP groups
+(``ep_size`` ranks, ``expert_tensor_parallel_size`` GPUs apart: ``ep_size`` consecutive HDP
+ranks when that is TP; :func:`~megatron_bytescale.planner.expert_layout.expert_parallel_group`):
+every rank sends its ``k`` routed copies of ``n`` tokens (``k * n``
 rows of ``hidden`` elements, an equal share to every member, i.e. a balanced router), for a
 few ``n``; :func:`megatron_bytescale.planner.moe_cost.fit_moe_dispatch` fits
 ``seconds = a n + b`` to the best of each and counts four per layer (dispatch and combine,
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bytescale.data.hdp_iterator import collective_device
+from megatron_bytescale.planner.expert_layout import expert_parallel_group
 
 if TYPE_CHECKING:
     from megatron_bytescale.runtime import HDPGroup
@@ -32,6 +35,7 @@ def measure_moe_all_to_all(
     hdp: "HDPGroup",
     *,
     ep_size: int,
+    expert_tensor_parallel_size: int | None = None,
     hidden_size: int,
     topk: int,
     dtype: torch.dtype = torch.float32,
@@ -39,18 +43,20 @@ def measure_moe_all_to_all(
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[tuple[int, float], ...]:
-    """``(tokens per rank, best seconds of one all-to-all)`` over this rank's expert group,
-    HDP rank 0's timings broadcast to every HDP rank. Collective over the HDP group.
+    """``(tokens per rank, best seconds of one all-to-all)`` over this rank's EP group (members
+    ``expert_tensor_parallel_size`` GPUs apart; None: the TP size), HDP rank 0's timings
+    broadcast to every HDP rank. Collective over every process (one pipeline stage).
 
     Raises:
-        ValueError: ``ep_size`` < 2 or not a divisor of the HDP size.
+        ValueError: ``ep_size`` < 2, or ETP x EP not a divisor of the processes.
     """
-    if ep_size < 2 or hdp.size % ep_size:
-        raise ValueError(f"--expert-model-parallel-size ({ep_size}) must be >= 2 and divide the "
-                         f"{hdp.size} HDP ranks to time the expert all-to-all")
+    world = dist.get_world_size()
+    etp = expert_tensor_parallel_size or world // hdp.size
+    if ep_size < 2 or world % (etp * ep_size):
+        raise ValueError(f"--expert-model-parallel-size ({ep_size}) must be >= 2 and, times the expert-TP "
+                         f"size {etp}, divide the {world} processes to time the expert all-to-all")
     device = collective_device(hdp.group)
-    first = hdp.rank // ep_size * ep_size
-    ranks = [hdp.global_rank(first + i) for i in range(ep_size)]
+    ranks = expert_parallel_group(dist.get_rank(), etp=etp, ep=ep_size)
     group = dist.new_group(ranks, use_local_synchronization=True)
     best = torch.zeros(len(tokens), dtype=torch.float64, device=device)
     try:

@@ -16,6 +16,7 @@ import torch
 
 from megatron_bytescale.planner.profile import Profile, ProfileSamples, profile
 
+from megatron_bytescale.planner.expert_layout import expert_lockstep_size
 from megatron_bytescale.planner.moe_cost import a2a_bytes_per_token
 
 from .calibration import calibrate_cost_model
@@ -31,9 +32,11 @@ class MegatronProfileSource:
 
     def __init__(self, model: torch.nn.Module, manager: HDPGroupManager, *, kv_bytes_per_token: float,
                  dkv_bytes_per_token: float | None = None, repeats: int = 3, vocab_size: int = 256,
-                 host_bytes: int = 64 << 20, expert_parallel_size: int = 1) -> None:
+                 host_bytes: int = 64 << 20, expert_parallel_size: int = 1,
+                 expert_tensor_parallel_size: int | None = None) -> None:
         self.model, self.manager = model, manager
         self.expert_parallel_size = expert_parallel_size
+        self.expert_tensor_parallel_size = expert_tensor_parallel_size
         self.kv_bytes_per_token, self.dkv_bytes_per_token = kv_bytes_per_token, dkv_bytes_per_token
         self.repeats, self.vocab_size, self.host_bytes = repeats, vocab_size, host_bytes
 
@@ -47,6 +50,11 @@ class MegatronProfileSource:
         moe: dict = {}
         if self.expert_parallel_size > 1:
             moe = self._measure_all_to_all(progress)
+        tp = int(getattr(self.model.config, "tensor_model_parallel_size", 1) or 1)
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != tp:  # recorded only when it is not Megatron's default
+            moe.update(expert_tensor_parallel_size=etp,
+                       expert_lockstep_size=expert_lockstep_size(tp, etp, self.expert_parallel_size))
         return ProfileSamples(
             time_samples=calibration.time_samples,
             activation_samples=calibration.activation_samples,
@@ -72,7 +80,9 @@ class MegatronProfileSource:
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         element = 2 if (config.bf16 or config.fp16) else 4
         dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
-        samples = measure_moe_all_to_all(self.manager.hdp, ep_size=ep, hidden_size=int(config.hidden_size),
+        samples = measure_moe_all_to_all(self.manager.hdp, ep_size=ep,
+                                         expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+                                         hidden_size=int(config.hidden_size),
                                          topk=int(config.moe_router_topk), dtype=dtype, repeats=self.repeats,
                                          progress=progress)
         return dict(
@@ -101,19 +111,23 @@ def kv_bytes_per_token(config: object, *, dkv_wire: str = "accumulator") -> tupl
 def profile_model(model: torch.nn.Module, manager: HDPGroupManager, *, lengths: Sequence[int],
                   repeats: int = 3, vocab_size: int = 256, dkv_wire: str = "accumulator",
                   progress: Callable[[str], None] | None = None, expert_parallel_size: int = 1,
-                  **cost_model_fields) -> Profile:
+                  expert_tensor_parallel_size: int | None = None, **cost_model_fields) -> Profile:
     """``bytescale profile`` from Python: measure ``model`` at ``lengths``, fit, report.
 
     Collective over the HDP group. ``cost_model_fields`` go to the fitted :class:`CostModel`
     (``ranks_per_node``, ``name``, ...); ``num_layers`` and the K/V bytes come from the model.
     ``expert_parallel_size`` > 1 (a MoE model): also time the all-to-all over expert groups of
-    that many consecutive HDP ranks and fit the dispatch terms.
+    that many consecutive HDP ranks and fit the dispatch terms. ``expert_tensor_parallel_size``
+    (None: TP): the run's expert-TP size; the all-to-all is then timed over EP groups whose
+    members sit that many GPUs apart, and the profile records it and the HDP ranks an expert
+    group spans (the plans' ``ep_size``).
     """
     config = model.config
     kv, dkv = kv_bytes_per_token(config, dkv_wire=dkv_wire)
     source = MegatronProfileSource(model, manager, kv_bytes_per_token=kv, dkv_bytes_per_token=dkv,
                                    repeats=repeats, vocab_size=vocab_size,
-                                   expert_parallel_size=expert_parallel_size)
+                                   expert_parallel_size=expert_parallel_size,
+                                   expert_tensor_parallel_size=expert_tensor_parallel_size)
     cost_model_fields.setdefault("num_layers", int(config.num_layers))
     return profile(source, lengths=lengths, progress=progress, kv_bytes_per_token=kv,
                    dkv_bytes_per_token=dkv, **cost_model_fields)

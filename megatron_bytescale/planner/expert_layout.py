@@ -49,3 +49,12 @@ def expert_lockstep_size(tp: int, etp: Optional[int], ep: int) -> int:
     if why:
         raise ValueError(why)
     return max(1, (etp or tp) * ep // tp)
+
+
+def expert_parallel_group(rank: int, *, etp: int, ep: int) -> list[int]:
+    """The ranks of ``rank``'s EP group (its all-to-all peers) in a stage laid out ``tp-ep-dp-pp``
+    with tp = ``etp``: ``ep`` ranks ``etp`` apart inside the block of ``etp x ep`` consecutive
+    ranks that holds ``rank`` (ranks counted within the stage)."""
+    block = etp * ep
+    start = rank // block * block + rank % etp
+    return [start + j * etp for j in range(ep)]

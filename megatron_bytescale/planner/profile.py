@@ -63,6 +63,12 @@ class ProfileSamples:
     top-k copies over an expert group); empty for dense models and EP 1."""
     expert_parallel_size: int = 1
     """The expert-group size the all-to-alls were measured over."""
+    expert_tensor_parallel_size: int | None = None
+    """The expert-TP size ETP of the run profiled (``--expert-tensor-parallel-size``): the EP
+    group's members sit ETP GPUs apart; None: TP (Megatron's default)."""
+    expert_lockstep_size: int | None = None
+    """HDP ranks one expert group spans, ``max(1, ETP x E / TP)`` (:mod:`.expert_layout`), which
+    the fitted cost model hands to plans (:attr:`CostModel.plan_ep_size`); None: E (ETP = TP)."""
     moe_a2a_bytes_per_token: float = 0.0
     """Bytes one rank sends per token per layer in the four all-to-alls (forward + backward)."""
 
@@ -182,6 +188,8 @@ class Profile:
                 "hdp_size": s.hdp_size, "per_document_s": s.per_document_s,
                 "moe_all_to_all": [list(x) for x in s.moe_dispatch_samples],
                 "expert_parallel_size": s.expert_parallel_size,
+                "expert_tensor_parallel_size": s.expert_tensor_parallel_size,
+                "expert_lockstep_size": s.expert_lockstep_size,
                 "ring_micro_batches": None if s.ring_fit is None else {
                     "samples": [list(x) for x in s.ring_fit.samples],
                     "predicted_before": list(s.ring_fit.predicted_before),
@@ -240,6 +248,8 @@ def fit_profile(samples: ProfileSamples, **cost_model_fields: Any) -> Profile:
         cost_model = cost_model.with_(
             expert_parallel_size=samples.expert_parallel_size, moe_dispatch_s_per_token=dispatch.seconds_per_token,
             moe_dispatch_s=dispatch.seconds, moe_a2a_bytes_per_token=samples.moe_a2a_bytes_per_token)
+    if samples.expert_lockstep_size is not None:  # ETP other than TP (an EP 1 run included)
+        cost_model = cost_model.with_(expert_lockstep_size=samples.expert_lockstep_size)
     time_fit = fit_quality(samples.time_samples, lambda n: cost_model.layer_time(n) + cost_model.per_document_s)
     activation_fit = fit_quality(samples.activation_samples, cost_model.activation_bytes)
     return Profile(cost_model=cost_model, samples=samples, time_fit=time_fit,
@@ -286,6 +296,10 @@ def fit_warnings(cost_model: CostModel, samples: ProfileSamples, time_fit: FitQu
             listed = ", ".join(f"{n} tokens {100 * r:+.0f}%" for n, r in bad)
             out.append(f"MoE all-to-all: timings off the fit by more than {100 * MAX_RELATIVE_RESIDUAL:.0f}%: "
                        f"{listed}; the machine may be busy (measure again with more --repeats)")
+    if samples.expert_tensor_parallel_size is not None:
+        out.append(f"expert-tensor parallelism {samples.expert_tensor_parallel_size}: the layers were timed with "
+                   "every expert on the rank, so T(s) holds the dispatcher's gather over the TP group, not "
+                   "over the expert-TP group (docs/moe.md)")
     if samples.hdp_size < 2:
         out.append("one rank: the P2P link and the ring step overhead were not measured (run "
                    "with --nproc-per-node >= 2)")
@@ -317,7 +331,9 @@ def format_report(result: Profile) -> str:
                 lines.append(f"  D={d:<3} {n:>3} doc(s) {tokens:>6} tok {m * 1e3:8.1f} ms {b * 1e3:8.1f} "
                              f"{100 * rb:+6.1f}% {a * 1e3:8.1f} {100 * ra:+6.1f}%")
     if s.moe_dispatch_samples:
-        lines.append(f"  MoE all-to-all over {s.expert_parallel_size} ranks: "
+        etp = (f" ({s.expert_tensor_parallel_size} GPU(s) apart)" if s.expert_tensor_parallel_size is not None
+               else "")
+        lines.append(f"  MoE all-to-all over {s.expert_parallel_size} ranks{etp}: "
                      f"{cm.moe_dispatch_s_per_token * 1e6:.3f} us per token + {cm.moe_dispatch_s * 1e3:.3f} ms "
                      f"per layer (4 per layer, fwd+bwd; {cm.moe_a2a_bytes_per_token:.0f} B/token sent)")
         dispatch = fit_moe_dispatch(s.moe_dispatch_samples)
@@ -371,4 +387,5 @@ class SyntheticSource:
             ring_step_overhead_s=t.ring_step_overhead_s, device_name=self.device_name,
             hdp_size=self.hdp_size, per_document_s=t.per_document_s, moe_dispatch_samples=moe,
             expert_parallel_size=t.expert_parallel_size, moe_a2a_bytes_per_token=t.moe_a2a_bytes_per_token,
+            expert_lockstep_size=t.expert_lockstep_size,
         )

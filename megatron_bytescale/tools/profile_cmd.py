@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MoE: also time the token all-to-all over expert groups of this many consecutive "
                             "HDP ranks and fit the dispatch terms (default 1: no all-to-all). The layer "
                             "itself is timed with every expert on the rank")
+    model.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="MoE: the training run's expert-TP size (default: --tensor-model-parallel-size). "
+                            "The all-to-all is timed over EP groups whose members sit this many GPUs apart, "
+                            "and the cost model keeps max(1, ETP x EP / TP) HDP ranks in step")
     precision = model.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
@@ -136,10 +140,17 @@ def check_model_flags(args: argparse.Namespace, world_size: int | None) -> None:
 
 def check_moe_flags(args: argparse.Namespace, world_size: int | None) -> None:
     """The MoE flags (ValueError naming the flag)."""
-    experts, ep = args.num_experts, args.expert_model_parallel_size
+    from megatron_bytescale.planner.expert_layout import expert_lockstep_refusal
+
+    experts, ep, etp = args.num_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    tp = args.tensor_model_parallel_size
+    if etp is not None and etp < 1:
+        raise ValueError(f"--expert-tensor-parallel-size ({etp}) must be >= 1 (leave it out for the TP size)")
     if experts is None:
         if ep != 1:
             raise ValueError(f"--expert-model-parallel-size ({ep}) needs a MoE model: give --num-experts")
+        if etp is not None and etp != tp:
+            raise ValueError(f"--expert-tensor-parallel-size ({etp}) needs a MoE model: give --num-experts")
         return
     if experts < 2:
         raise ValueError(f"--num-experts ({experts}) must be >= 2 (leave it out for a dense model)")
@@ -149,11 +160,20 @@ def check_moe_flags(args: argparse.Namespace, world_size: int | None) -> None:
         raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be >= 1")
     if ep < 1 or experts % ep:
         raise ValueError(f"--expert-model-parallel-size ({ep}) must divide --num-experts ({experts})")
-    if world_size is not None and ep > 1:
+    why = expert_lockstep_refusal(tp, etp, ep, who="an HDP run cannot keep in step")
+    if why:
+        raise ValueError(why)
+    if world_size is None:
+        return
+    if etp in (None, tp):
         hdp = world_size // args.tensor_model_parallel_size
-        if hdp % ep:
+        if ep > 1 and hdp % ep:
             raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the {hdp} HDP ranks "
                              f"(--nproc-per-node / --tensor-model-parallel-size)")
+    elif world_size % (etp * ep):
+        raise ValueError(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) = "
+                         f"{etp * ep} GPUs of an expert group must divide the {world_size} processes "
+                         "(--nproc-per-node)")
 
 
 _WORKER_HINT = ("bytescale profile runs as a torchrun worker when WORLD_SIZE is set; unset "
@@ -293,13 +313,16 @@ def _profile(args: argparse.Namespace, config: Any, lengths: list[int], *, on_cu
                   flush=True)
 
     local = env_int("LOCAL_WORLD_SIZE", low=1, high=MAX_PROCESSES, default=dist.get_world_size())
+    etp = args.expert_tensor_parallel_size
     what = (f"MoE ({args.num_experts} experts, top-{args.moe_router_topk}, EP "
-            f"{args.expert_model_parallel_size}) " if args.num_experts else "")
+            f"{args.expert_model_parallel_size}{f', ETP {etp}' if etp not in (None, tp) else ''}) "
+            if args.num_experts else "")
     progress(f"{args.num_layers}-layer {what}GPT on {manager.size} HDP rank(s), lengths {lengths}")
     return profile_model(model, manager, lengths=lengths, repeats=args.repeats,
                          vocab_size=args.vocab_size, dkv_wire=config.dkv_wire_dtype, progress=progress,
                          ranks_per_node=max(1, local // tp),
-                         expert_parallel_size=args.expert_model_parallel_size)
+                         expert_parallel_size=args.expert_model_parallel_size,
+                         expert_tensor_parallel_size=etp)
 
 
 def _report(args: argparse.Namespace, result: Any) -> bool:

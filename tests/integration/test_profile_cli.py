@@ -78,7 +78,34 @@ def test_profile_measures_a_moe_layer_and_its_all_to_all(tmp_path):
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk (5) must be from 1 to"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4", "--nproc-per-node", "2"],
      "must divide the 2 HDP ranks"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size (2) needs a MoE model"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size (0) must be >= 1"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "3"],
+     "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and --tensor-model-parallel-size 2 "
+     "do not divide one another"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+      "--nproc-per-node", "2"], "= 4 GPUs of an expert group must divide the 2 processes"),
 ])
 def test_bad_moe_flags_are_refused_before_any_process_starts(bad, message):
     done = _run(["profile", *MODEL, *bad], timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_profile_times_the_all_to_all_inside_a_tp_group_with_etp_1(tmp_path):
+    """TP 2 x ETP 1 x EP 2 on 2 processes (one HDP rank): the EP group is the two TP ranks (one
+    GPU apart, not in one HDP group), which the all-to-all is timed over; an expert group inside
+    a TP group needs no slot rule, so the cost model plans with ep_size 1."""
+    out, report = tmp_path / "cm.json", tmp_path / "report.json"
+    done = _run(["profile", *MODEL, "--lengths", "32,64,128", "--repeats", "1", "--nproc-per-node", "2",
+                 "--tensor-model-parallel-size", "2", "--num-experts", "4", "--moe-router-topk", "2",
+                 "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                 "--out", str(out), "--report", str(report)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2-layer MoE (4 experts, top-2, EP 2, ETP 1) GPT on 1 HDP rank(s)" in done.stderr
+    cm = CostModel.load(out)
+    assert (cm.expert_parallel_size, cm.expert_lockstep_size, cm.plan_ep_size) == (2, 1, 1)
+    assert cm.moe_a2a_bytes_per_token == 4 * 2 * 32 * 4 * (2 - 1) / 2 / 2  # a rank sends its s / TP
+    data = json.loads(report.read_text())
+    assert (data["samples"]["expert_tensor_parallel_size"], data["samples"]["expert_lockstep_size"]) == (1, 1)
+    assert all(t > 0 for _, t in data["samples"]["moe_all_to_all"])
+    assert "MoE all-to-all over 2 ranks (1 GPU(s) apart)" in done.stdout

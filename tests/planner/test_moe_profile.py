@@ -64,3 +64,44 @@ def test_dense_and_ep1_profiles_have_no_dispatch():
         assert result.samples.moe_dispatch_samples == ()
         assert (result.cost_model.moe_dispatch_s_per_token, result.cost_model.expert_parallel_size) == (0.0, 1)
         assert "MoE all-to-all" not in format_report(result)
+
+
+def test_profile_records_expert_tensor_parallelism_and_the_plans_expert_groups():
+    """A profile of a run at ETP other than TP records ETP and the HDP ranks an expert group
+    spans; the fitted cost model hands that span to plans. A profile without them (ETP = TP,
+    or written before ETP was modelled) plans with E."""
+    from dataclasses import replace
+
+    from megatron_bytescale.planner.profile import fit_profile
+
+    known = moe_truth()
+    samples = SyntheticSource(known).measure(LENGTHS)
+    assert (samples.expert_tensor_parallel_size, samples.expert_lockstep_size) == (None, None)
+    plain = fit_profile(samples, num_layers=known.num_layers, kv_bytes_per_token=known.kv_bytes_per_token)
+    assert (plain.cost_model.expert_lockstep_size, plain.cost_model.plan_ep_size) == (None, 4)
+    assert not any("expert-tensor" in w for w in plain.warnings)
+    etp = fit_profile(replace(samples, expert_tensor_parallel_size=2, expert_lockstep_size=8),
+                      num_layers=known.num_layers, kv_bytes_per_token=known.kv_bytes_per_token)
+    assert (etp.cost_model.expert_parallel_size, etp.cost_model.plan_ep_size) == (4, 8)  # TP 1 x ETP 2 x EP 4
+    data = json.loads(json.dumps(etp.to_dict()))
+    assert (data["samples"]["expert_tensor_parallel_size"], data["samples"]["expert_lockstep_size"]) == (2, 8)
+    assert CostModel.from_dict(data["cost_model"]).plan_ep_size == 8
+    assert "MoE all-to-all over 4 ranks (2 GPU(s) apart):" in format_report(etp)
+    assert any("expert-tensor parallelism 2: the layers were timed with every expert" in w for w in etp.warnings)
+    # an EP 1 run whose experts span HDP ranks (TP 1 x ETP 2): no all-to-all, still a lockstep of 2
+    ep1 = fit_profile(replace(SyntheticSource(moe_truth(expert_parallel_size=1)).measure(LENGTHS),
+                              expert_tensor_parallel_size=2, expert_lockstep_size=2),
+                      num_layers=known.num_layers, kv_bytes_per_token=known.kv_bytes_per_token)
+    assert (ep1.cost_model.moe_dispatch_s_per_token, ep1.cost_model.plan_ep_size) == (0.0, 2)
+    # the synthetic source plays a truth's lockstep back
+    truth = moe_truth(expert_lockstep_size=2)
+    assert SyntheticSource(truth).measure(LENGTHS).expert_lockstep_size == 2
+
+
+def test_expert_parallel_groups_sit_etp_ranks_apart():
+    from megatron_bytescale.planner.expert_layout import expert_parallel_group
+
+    assert expert_parallel_group(0, etp=1, ep=2) == [0, 1]  # TP 2 x ETP 1 x EP 2: inside a TP group
+    assert expert_parallel_group(3, etp=2, ep=2) == [1, 3]  # TP 1 x ETP 2 x EP 2: 2 apart
+    assert expert_parallel_group(13, etp=2, ep=4) == [9, 11, 13, 15]  # second block of 8
+    assert [expert_parallel_group(r, etp=4, ep=2) for r in (0, 5, 11)] == [[0, 4], [1, 5], [11, 15]]
