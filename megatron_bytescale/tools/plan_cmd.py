@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bytescale plan: {source}; {args.hdp_size:,} HDP ranks x capacity {args.capacity:,}, "
           f"{topology.ranks_per_node} per node{' (node map)' if topology.node_of else ''}, "
           f"PP {pp_size}{f' x VPP {args.vpp_size}' if args.vpp_size != 1 else ''}"
-          f"{f', {_ep_label(args, ep)} (ring micro-batches at one slot on all members)' if ep > 1 else ''}, cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
+          f"{f', {_ep_label(args, ep)} (ring micro-batches at one slot on all members)' if ep > 1 else ''}"
+          f", cost model {cost_model.name}, offload {'on' if args.offload else 'off'}"
           f"{', two-level rings' if args.two_level_ring else ''}{', sequence split (balance)' if args.seq_split else ''}")
     _print_table(rows, failed)
     note = moe_note(args)

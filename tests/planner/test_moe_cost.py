@@ -357,4 +357,16 @@ def test_expert_gradients_with_expert_tensor_parallelism_by_hand():
     o = overheads(4, 1, 1)  # EP 1, ETP 1 under TP 4 on 4 HDP ranks: experts over 16 GPUs, not 4
     assert o.grad_reduce_s(4, cm, one_node=False) == pytest.approx(zero1(4, 16))
     spec = moe(tensor_parallel_size=2, expert_parallel_size=4)  # ETP = TP: bit for bit as before
-    assert params_per_rank(spec, tensor_parallel_size=2, pp_size=2) == ((dense_layer + 2 * expert) * 2 + 1000 * 1024) / 2
+    assert params_per_rank(spec, tensor_parallel_size=2, pp_size=2) == (
+        (dense_layer + 2 * expert) * 2 + 1000 * 1024) / 2
+
+
+def test_paper_setup_takes_the_expert_tensor_parallel_size():
+    from megatron_bytescale.sim.paper import paper_setup
+
+    setup = paper_setup("mistral-8x7b", expert_parallel_size=8, expert_tensor_parallel_size=2)
+    assert setup.cost_model.name == "mistral-8x7b-tp4-ep8-etp2@paper-fit" and setup.cost_model.plan_ep_size == 4
+    o = setup.overheads
+    assert (o.tensor_parallel_size, o.expert_tensor_parallel_size, o.expert_parallel_size) == (4, 2, 8)
+    same = paper_setup("mistral-8x7b", expert_parallel_size=8, expert_tensor_parallel_size=4)
+    assert same == paper_setup("mistral-8x7b", expert_parallel_size=8)  # ETP = TP: as before
