@@ -244,13 +244,20 @@ def activation_bytes_per_token(model: ModelSpec) -> float:
     norm and its output (the QKV GEMM input), Q/K/V, the attention output (also the output
     projection's input) and its fp32 log-sum-exp per head, the input of the second norm and its
     output (the MLP input), the gate and up outputs and the SwiGLU output (per routed expert
-    copy for MoE, plus the permuted copy of the MLP input). With sequence parallelism every one
-    of them is split over TP, so the caller divides by TP.
+    copy for MoE), and for MoE the experts' input. With sequence parallelism every one of them
+    is split over TP, so the caller divides by TP.
+
+    The experts' input is the exception to that split: megatron-core's dispatcher gathers the
+    routed copies of the whole expert-TP group (ETP ranks of ``k s / TP`` copies each) before
+    the first expert GEMM, which keeps all ``ETP k s / TP`` rows at full width ``h`` for its
+    weight gradient, so it counts ``ETP k h`` per token here (``k h`` at ETP 1). The gate / up /
+    SwiGLU outputs of those rows are ``1 / ETP`` of the expert's width, ``3 f k`` per token
+    after the same division.
     """
     d = model.dtype_bytes
     h = float(model.hidden_size)
     k = model.moe_router_topk
-    moe_copy = h * k if model.num_experts > 1 else 0.0
+    moe_copy = h * k * model.expert_tp if model.num_experts > 1 else 0.0
     elements = 4.0 * h + 2.0 * h + 2.0 * model.kv_dim + 3.0 * model.ffn_hidden_size * k + moe_copy
     return d * elements + 4.0 * model.num_attention_heads
 

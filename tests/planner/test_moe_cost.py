@@ -370,3 +370,19 @@ def test_paper_setup_takes_the_expert_tensor_parallel_size():
     assert (o.tensor_parallel_size, o.expert_tensor_parallel_size, o.expert_parallel_size) == (4, 2, 8)
     same = paper_setup("mistral-8x7b", expert_parallel_size=8, expert_tensor_parallel_size=4)
     assert same == paper_setup("mistral-8x7b", expert_parallel_size=8)  # ETP = TP: as before
+
+
+@pytest.mark.parametrize("tp, etp", [(1, None), (2, None), (2, 1), (4, 2), (1, 2)])
+def test_saved_activations_keep_the_expert_tp_groups_gathered_input_by_hand(tp, etp):
+    """The experts' input is gathered over the expert-TP group before the first expert GEMM and
+    saved whole (``ETP k s / TP`` rows of width h on each GPU): ``ETP k h`` elements per token
+    before the TP split. The rest is the dense layer's count with the MLP outputs per routed
+    copy: norms and their inputs 4h, attention output and output-projection input 2h, K and V,
+    the gate / up / SwiGLU outputs 3 f k, and the fp32 log-sum-exp per head."""
+    spec = moe(tensor_parallel_size=tp, expert_tensor_parallel_size=etp)
+    kv = 2 * 8 * (1024 / 8)  # K and V: 8 groups of head_dim 128
+    elements = 6 * 1024 + kv + 3 * 2048 * 2 + (etp or tp) * 2 * 1024
+    assert analytic_cost_model(spec, HW).alpha2 == pytest.approx((2 * elements + 4 * 8) / tp)
+    dense = moe(num_experts=1, moe_router_topk=1, tensor_parallel_size=tp)
+    assert analytic_cost_model(dense, HW).alpha2 == pytest.approx(
+        (2 * (6 * 1024 + kv + 3 * 2048) + 4 * 8) / tp)
