@@ -36,6 +36,7 @@ from .hdp_cases import (
     grab_grads_before_step,
 )
 from .moe_cases import LOG_NAMES, MOE_LENGTHS, moe_config, moe_reference, moe_reference_log
+from .moe_tp4_cases import TP4_QUERY_GROUPS
 from .parallel_cases import (
     fresh_model,
     gradient_errors,
@@ -87,6 +88,13 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
             loss, grads = moe_reference(moe_config(**case), state, sequences)
             payload[0][name] = {"state": state, "loss": loss, "grads": grads}
         payload[0]["aux"]["log"] = moe_reference_log(moe_config(**CASES["aux"]), state, sequences)
+    # TP 4 splits the query groups too: the same model with one group per head (its own weights)
+    tp4_config = moe_config(**CASES["aux"], num_query_groups=TP4_QUERY_GROUPS)
+    tp4_state = build_gpt_model(tp4_config, vocab_size=VOCAB,
+                                max_sequence_length=CONTEXT).state_dict()
+    if dist.get_rank() == 0:
+        loss, grads = moe_reference(tp4_config, tp4_state, sequences)
+        payload[0]["tp4 aux"] = {"state": tp4_state, "loss": loss, "grads": grads}
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
@@ -226,6 +234,11 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from .moe_etp_cases import run_etp_layouts
 
     run_etp_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
+    # TP 4 (HDP 1): TP 4 x EP 1, TP 4 x ETP 1 x EP 4, TP 4 x ETP 2 x EP 2
+    from .moe_tp4_cases import run_tp4_layouts
+
+    run_tp4_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
 
     from megatron.core import parallel_state
 
