@@ -37,6 +37,7 @@ from .hdp_cases import (
 )
 from .moe_cases import LOG_NAMES, MOE_LENGTHS, moe_config, moe_reference, moe_reference_log
 from .moe_tp4_cases import TP4_QUERY_GROUPS
+from .moe_vpp_cases import VPP_LAYERS
 from .parallel_cases import (
     fresh_model,
     gradient_errors,
@@ -92,12 +93,32 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
     tp4_config = moe_config(**CASES["aux"], num_query_groups=TP4_QUERY_GROUPS)
     tp4_state = build_gpt_model(tp4_config, vocab_size=VOCAB,
                                 max_sequence_length=CONTEXT).state_dict()
+    # interleaved stages at PP 2: the same model with 4 layers, one per model chunk
+    # (megatron-core's log tracker is sized by the first model that logs: forgotten around it)
+    vpp_config = moe_config(**CASES["aux"], num_layers=VPP_LAYERS)
+    vpp_state = build_gpt_model(vpp_config, vocab_size=VOCAB,
+                                max_sequence_length=CONTEXT).state_dict()
     if dist.get_rank() == 0:
-        loss, grads = moe_reference(tp4_config, tp4_state, sequences)
-        payload[0]["tp4 aux"] = {"state": tp4_state, "loss": loss, "grads": grads}
+        for name, config, weights in (("tp4 aux", tp4_config, tp4_state),
+                                      ("vpp aux", vpp_config, vpp_state)):
+            forget_moe_log_tracker()
+            loss, grads = moe_reference(config, weights, sequences)
+            payload[0][name] = {"state": weights, "loss": loss, "grads": grads}
+    forget_moe_log_tracker()
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
+
+
+def forget_moe_log_tracker() -> None:
+    """Drop megatron-core 0.16's MoE log tracker entries: it sizes each entry by the layers of
+    the first model that logs, so a model with more layers must start from an empty tracker
+    (later versions keep no such entry here; nothing to drop)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None)
+    if tracker is not None:
+        tracker().clear()
 
 
 def _step(config, reference, sequences, planner, manager, *, keep: dict | None = None
@@ -239,6 +260,12 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from .moe_tp4_cases import run_tp4_layouts
 
     run_tp4_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
+    # TP 2 x PP 2 x VPP 2 x ETP 1 x EP 2 (HDP 1): interleaved stages, each stage's TP pair its
+    # expert group
+    from .moe_vpp_cases import run_vpp_layout
+
+    run_vpp_layout(out, references, sequences, MOE_LENGTHS, record_run, CASES)
 
     from megatron.core import parallel_state
 

@@ -16,6 +16,7 @@ from megatron_bytescale.testing.distributed import run_distributed
 from .moe_etp_cases import ETP_LAYOUTS, TPP_ETP_LAYOUT, TPP_ETP_RUNS
 from .moe_parallel_cases import moe_parallel_rank_body
 from .moe_tp4_cases import TP4_LAYOUTS, TP4_QUERY_GROUPS, TP4_RUNS
+from .moe_vpp_cases import VPP_RUN
 
 TOLERANCE = 1e-5
 TP_RUNS = ["tp alltoall aux 0", "tp alltoall aux", "tp allgather aux"]
@@ -241,3 +242,25 @@ def test_moe_gradients_equal_megatron_alone_at_tp_4(results, run):
     routers, experts = _check_loss_and_gradients(results, run, holders, "tp4 aux")
     # 2 layers x 4 ranks, each holding 4 / EP experts (split over ETP ranks) x 2 linears
     assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
+
+
+def test_the_interleaved_moe_layout_is_the_one_meant(results):
+    """TP 2 x PP 2 x VPP 2 x ETP 1 x EP 2 (HDP 1): each stage's expert group is its TP pair
+    (block 1: the interleaved driver needs no slot rule); chunk c of stage s holds layer
+    2c + s + 1; the manual plan's six micro-batches (two packs) run through both stages."""
+    info = [r["runs"][VPP_RUN] for r in results]
+    assert all(i["tp_size"] == 2 and i["pp_size"] == 2 and i["vpp"] == 2 and i["sequence_parallel"]
+               and i["expert_tp_size"] == 1 and i["expert_model_parallel_size"] == 2
+               and i["ep_size"] == i["plan_ep_size"] == 1 for i in info)
+    assert sorted((i["tp"], i["pp"]) for i in info) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [i["expert_group"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [i["layers"] for i in info] == [[[1], [3]], [[1], [3]], [[2], [4]], [[2], [4]]]
+    assert info[0]["micro_batch_counts"] == [6] and info[0]["packs"] == 2
+
+
+def test_moe_gradients_equal_megatron_alone_with_interleaved_stages(results):
+    holders = [r["runs"][VPP_RUN] for r in results
+               if r["runs"][VPP_RUN]["tp"] == 0 and r["runs"][VPP_RUN]["pp"] == 1]
+    routers, experts = _check_loss_and_gradients(results, VPP_RUN, holders, "vpp aux")
+    # 4 ranks x 2 chunks of one layer: its router and its two whole experts x 2 linears
+    assert routers == 8 and experts == 8 * 2 * 2, (routers, experts)
