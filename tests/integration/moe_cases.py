@@ -54,8 +54,8 @@ def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall",
     from megatron_bytescale.integration.training import make_transformer_config
 
     return make_transformer_config(
-        num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=num_query_groups,
-        ffn_hidden_size=64, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        num_layers=num_layers, hidden_size=32, num_attention_heads=4,
+        num_query_groups=num_query_groups, ffn_hidden_size=64, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=48, moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
         moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, add_bias_linear=False, **overrides,

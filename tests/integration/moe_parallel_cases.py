@@ -18,7 +18,10 @@ is re-initialised (``parallel_cases.switch_layout``) with
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
 pipeline stage with the matching slice of the reference. Negative controls run the TP and the
 TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2
-and PP 2 x EP 2 (``moe_epp_cases``).
+and PP 2 x EP 2 (``moe_epp_cases``), expert-tensor parallelism other than TP, with PP too
+(``moe_etp_cases``), TP 4 (``moe_tp4_cases``) and interleaved stages (``moe_vpp_cases``); the
+last two need models of their own (one query group per head; 4 layers), whose references the
+reference phase computes as well.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """MoE under HDP with TP 2 (sequence parallelism), with PP 2 and with both (TP 2 x PP 2), at
-expert parallelism 1 (and 2 for TP and for PP), and with expert-tensor parallelism other than
-TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2), on 4 CPU ranks: every gradient equals
-megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
+expert parallelism 1 (and 2 for TP and for PP), with expert-tensor parallelism other than TP
+(TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2, TP 2 x PP 2 x ETP 1 x EP 2, the last also with
+two interleaved stages), and at TP 4 (EP 1, ETP 1 x EP 4, ETP 2 x EP 2), on 4 CPU ranks: every
+gradient equals megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
 
-All eight layouts share ONE 4-process spawn (module-scoped fixture); see
-``moe_parallel_cases.py``, ``moe_epp_cases.py`` and ``moe_etp_cases.py``.
+All layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``,
+``moe_epp_cases.py``, ``moe_etp_cases.py``, ``moe_tp4_cases.py`` and ``moe_vpp_cases.py``.
 """
 
 from __future__ import annotations
