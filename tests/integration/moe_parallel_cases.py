@@ -79,6 +79,7 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
     """Megatron at TP = PP = 1: initial MoE weights and rank 0's reference of each case."""
     from megatron.core import parallel_state
 
+    from megatron_bytescale.integration.compat import forget_moe_log_tracker
     from megatron_bytescale.integration.training import build_gpt_model, seed_model_parallel
 
     parallel_state.initialize_model_parallel()
@@ -111,17 +112,6 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
-
-
-def forget_moe_log_tracker() -> None:
-    """Drop megatron-core 0.16's MoE log tracker entries: it sizes each entry by the layers of
-    the first model that logs, so a model with more layers must start from an empty tracker
-    (later versions keep no such entry here; nothing to drop)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    tracker = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None)
-    if tracker is not None:
-        tracker().clear()
 
 
 def _step(config, reference, sequences, planner, manager, *, keep: dict | None = None
