@@ -211,7 +211,9 @@ def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
     pipelines of the expert group in an all-to-all, in every forward and backward. All of
     them run 1F1B over the same number of slots, so every stage issues the same sequence of
     forwards and backwards, and slot ``i`` meets slot ``i``. A split micro-batch (chunks) would
-    reorder one pipeline's backwards and not the others', so such plans are refused with EP.
+    reorder one pipeline's backwards and not the others', so such plans are refused when an
+    expert group spans several HDP ranks (``manager.ep_size`` > 1; inside one TP group the
+    ranks of the group run the same chunks in the same order, so they pass).
     """
     from .schedule import check_plan_experts, manager_block_words
 
