@@ -354,6 +354,24 @@ def moe_log_tracker_values(name: str) -> Optional["torch.Tensor"]:
     return None if entry is None else entry["values"]
 
 
+def forget_moe_log_tracker() -> None:
+    """Drop every entry of megatron-core's MoE log tracker (not only its values).
+
+    The tracker sizes an entry by the layers of the first model that records it, so a process
+    that builds a model with more MoE layers afterwards (the tests' references of several
+    models) must start from an empty tracker. 0.16.1: the dict of dicts is emptied; 0.19: the
+    global ``MoEMetricsTracker`` is destroyed (the next use creates a fresh one).
+    """
+    if megatron_core_version() >= (0, 17, 0):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 def clear_moe_log_tracker() -> None:
     """Zero every value of megatron-core's MoE log tracker, as Megatron-LM does after a log."""
     if megatron_core_version() >= (0, 17, 0):

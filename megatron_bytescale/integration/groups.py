@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .config import RefusedArguments
-from .expert_layout import expert_lockstep_refusal, expert_lockstep_size
+from .expert_layout import expert_block_words, expert_lockstep_refusal, expert_lockstep_size
 
 if TYPE_CHECKING:  # runtime types, imported lazily at run time
     from megatron_bytescale.runtime import CommCounters, HDPGroup, MicroBatchTensors
@@ -118,14 +118,6 @@ class HDPParallelLayout:
         ep = self.expert_model_parallel_size
         if ep < 1:
             reasons.append(f"--expert-model-parallel-size ({ep}) must be >= 1")
-        elif (ep > 1 and self.pipeline_model_parallel_size > 1
-              and self.virtual_pipeline_model_parallel_size not in (None, 1)):
-            reasons.append(
-                f"--expert-model-parallel-size {ep} with --virtual-pipeline-model-parallel-size "
-                f"{self.virtual_pipeline_model_parallel_size} cannot be combined with "
-                "--bytescale-hdp: expert parallelism runs with plain 1F1B pipeline stages; run "
-                "without virtual stages or with --expert-model-parallel-size 1"
-            )
         tp = self.tensor_model_parallel_size
         for flag, count in (
             ("--num-attention-heads", self.num_attention_heads),
@@ -142,11 +134,15 @@ class HDPParallelLayout:
             reasons.append(
                 f"world size {self.world_size} is not divisible by TP x PP = {model_parallel}"
             )
-        elif sizes_ok and ep >= 1:
+        if sizes_ok:
             reasons += self._expert_refusals()
         return reasons
 
     def _expert_refusals(self) -> list[str]:
+        """The expert sizes' refusals, all read from one lockstep block (``ETP x EP / TP`` HDP
+        ranks, :func:`expert_lockstep_size`): it must exist, tile the HDP ranks and, with
+        interleaved stages, be 1 (an expert group inside one TP group, whose ranks always run
+        the same micro-batches, needs no slot rule, which the interleaved driver lacks)."""
         tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
         etp = self.expert_tensor_parallel_size or tp
         if etp < 1:
@@ -157,15 +153,26 @@ class HDPParallelLayout:
         if why:
             return [why]
         block = expert_lockstep_size(tp, etp, ep)
-        if self.hdp_size % block == 0:
-            return []
+        reasons = []
+        pp, virtual = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if block > 1 and pp > 1 and virtual not in (None, 1):
+            reasons.append(
+                f"{expert_block_words(block, tp=tp, etp=etp, ep=ep)} with "
+                f"--virtual-pipeline-model-parallel-size {virtual} cannot be combined with "
+                "--bytescale-hdp: the interleaved driver keeps no slot rule across the HDP ranks "
+                "of an expert group; run without virtual stages, or with sizes whose expert "
+                "group lies inside one TP group (ETP x EP <= TP, e.g. "
+                "--expert-model-parallel-size 1)"
+            )
+        if self.world_size < 1 or self.world_size % (tp * pp) or self.hdp_size % block == 0:
+            return reasons  # (a world size TP x PP does not divide is refused by itself)
         if etp == tp:
-            return [
+            return reasons + [
                 f"--expert-model-parallel-size {ep} does not divide the {self.hdp_size} HDP ranks "
                 "(world size / (TP x PP)): expert groups are carved out of the HDP ranks; choose "
                 "a divisor of the HDP size"
             ]
-        return [
+        return reasons + [
             f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} / "
             f"--tensor-model-parallel-size {tp} = {block} HDP ranks per expert group does not "
             f"divide the {self.hdp_size} HDP ranks (world size / (TP x PP)): expert groups are "

@@ -214,12 +214,10 @@ def _check_hdp_args(args: Any) -> HDPParallelLayout:
                        "--bytescale-hdp: micro-batch shapes change every step")
     if getattr(args, "transformer_impl", "local") == "inference_optimized":
         reasons.append("--transformer-impl inference_optimized cannot be used for HDP training")
-    reasons += moe_refusals(args)
+    reasons += moe_refusals(args, layout_checked=True)  # the layout refuses the expert sizes
     reasons += _virtual_stage_refusals(args) + seq_split_refusals(args)
     reasons += _data_flag_refusals(args)
     reasons += megatron_lm_flag_refusals(args)  # what only this Megatron-LM version refuses
-    # the layout and the MoE settings both refuse expert sizes that do not divide TP: say it once
-    reasons = list(dict.fromkeys(reasons))
     if reasons or layout is None:
         raise RefusedArguments(reasons)
     return layout

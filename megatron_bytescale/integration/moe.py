@@ -62,11 +62,14 @@ def _single(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
 
 
-def moe_refusals(settings: Any) -> list[str]:
+def moe_refusals(settings: Any, *, layout_checked: bool = False) -> list[str]:
     """Every reason the MoE settings cannot train under HDP (empty: they can, or no MoE).
 
     ``settings`` is a ``TransformerConfig`` (``num_moe_experts``) or Megatron-LM's ``args``
-    (``num_experts``). The expert-parallel size itself is checked by ``HDPParallelLayout``.
+    (``num_experts``). Whether the expert sizes make a lockstep block HDP can serve
+    (:func:`.expert_layout.expert_lockstep_refusal`) is asked here for the model builder;
+    ``layout_checked``: the caller also checks ``HDPParallelLayout`` (the Megatron-LM hooks),
+    which asks it with the HDP size, so it is left to that check (one refusal, computed once).
     """
     experts = getattr(settings, "num_moe_experts", None) or getattr(settings, "num_experts", None)
     if not experts:
@@ -103,7 +106,7 @@ def moe_refusals(settings: Any) -> list[str]:
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
     etp = getattr(settings, "expert_tensor_parallel_size", None) or tp  # Megatron: unset = TP
     ep = getattr(settings, "expert_model_parallel_size", 1) or 1
-    lockstep = expert_lockstep_refusal(tp, etp, ep)
+    lockstep = None if layout_checked else expert_lockstep_refusal(tp, etp, ep)
     if lockstep:
         reasons.append(lockstep)
     dispatcher = getattr(settings, "moe_token_dispatcher_type", "alltoall")

@@ -211,9 +211,11 @@ def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
     pipelines of the expert group in an all-to-all, in every forward and backward. All of
     them run 1F1B over the same number of slots, so every stage issues the same sequence of
     forwards and backwards, and slot ``i`` meets slot ``i``. A split micro-batch (chunks) would
-    reorder one pipeline's backwards and not the others', so such plans are refused with EP.
+    reorder one pipeline's backwards and not the others', so such plans are refused when an
+    expert group spans several HDP ranks (``manager.ep_size`` > 1; inside one TP group the
+    ranks of the group run the same chunks in the same order, so they pass).
     """
-    from .schedule import check_plan_experts
+    from .schedule import check_plan_experts, manager_block_words
 
     slots = check_plan_experts(step, manager)
     if manager.ep_size > 1:
@@ -221,10 +223,10 @@ def pipeline_slots(step: "HDPStep", manager: HDPGroupManager) -> int:
         if split:
             raise ValueError(
                 f"step {step.index}: the plan splits ring micro-batches (orders {split[:5]}) into "
-                "chunks, which --expert-model-parallel-size "
-                f"{getattr(manager, 'expert_model_parallel_size', manager.ep_size)} does not run "
-                "(the pipelines of an expert group must run their backwards in the same "
-                "order); plan without chunks (no --bytescale-seq-split)"
+                f"chunks, which {manager_block_words(manager)} do not run (the pipelines of an "
+                "expert group must run their backwards in the same order); plan without chunks "
+                "(no --bytescale-seq-split), or with an expert group inside one TP group "
+                "(ETP x EP <= TP)"
             )
     return slots
 

@@ -11,6 +11,7 @@ from megatron_bytescale.planner.plan import StepPlan
 from megatron_bytescale.planner.topology import Topology
 
 from .config import ByteScaleConfig
+from .expert_layout import expert_block_of_args, expert_block_words
 
 
 def make_step_planner(
@@ -35,9 +36,10 @@ def make_step_planner(
     ``pp_size`` must be the run's pipeline depth (``HDPGroupManager.pp_size``): with PP > 1
     the balance scheduler plans PP-Balance (ring micro-batches at the same local index in every
     member pipeline, which the 1F1B driver needs), and the drivers refuse a plan made for
-    another depth. It must divide the cost model's layers. ``ep_size`` must be the run's
-    expert-parallel size (``HDPGroupManager.ep_size``): ring micro-batches then sit at the same
-    local index on all members, so each expert group meets slot by slot (``StepPlan.ep_size``).
+    another depth. It must divide the cost model's layers. ``ep_size`` must be the HDP ranks one
+    of the run's expert groups spans (``HDPGroupManager.ep_size``, ``ETP x EP / TP`` or 1; not
+    Megatron's EP size): ring micro-batches then sit at the same local index on all members, so
+    each expert group meets slot by slot (``StepPlan.ep_size``).
     ``vpp_size`` > 1: the run's virtual stages per stage
     (``--virtual-pipeline-model-parallel-size``); plans carry it and are estimated with the
     interleaved schedule the driver runs.
@@ -97,17 +99,21 @@ def make_step_planner(
 
 
 def check_seq_split_flags(config: ByteScaleConfig, *, scheduler: str, pp_size: int, ep_size: int,
-                          vpp_size: int) -> None:
+                          vpp_size: int, expert_block: Optional[str] = None) -> None:
     """Raise ValueError in one line, naming the flags, unless ``--bytescale-seq-split`` can run:
-    split chunks run in the plain 1F1B driver only, never offload, and expert groups need
-    every ring at one slot (which a split's shifted orders do not keep)."""
+    split chunks run in the plain 1F1B driver only, never offload, and expert groups that span
+    several HDP ranks need every ring at one slot (which a split's shifted orders do not keep).
+    ``ep_size``: that span, the lockstep block (``HDPGroupManager.ep_size``), not Megatron's EP
+    size: an expert group inside one TP group (block 1) runs a split like a dense model;
+    ``expert_block``: how to name it with the flags' values (:func:`expert_block_words`)."""
     from megatron_bytescale.planner.schedulers import seq_split_conflicts
 
     words = {
         "scheduler": f"--bytescale-scheduler {scheduler} (use balance)",
         "pp": f"--pipeline-model-parallel-size {pp_size} (needs >= 2)",
         "vpp": f"--virtual-pipeline-model-parallel-size {vpp_size} (drop it)",
-        "ep": f"--expert-model-parallel-size {ep_size} (needs 1)",
+        "ep": f"{expert_block or expert_block_words(ep_size)}, needs 1 (an expert group inside "
+              "one TP group)",
         "offload": "--bytescale-offload (use --no-bytescale-offload)",
     }
     why = seq_split_conflicts(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size,
@@ -123,11 +129,17 @@ def seq_split_refusals(args: Any) -> list[str]:
     if not getattr(args, "bytescale_seq_split", False):
         return []
     config = ByteScaleConfig(offload=bool(getattr(args, "bytescale_offload", False)))
+    block = expert_block_of_args(args)
+    etp = getattr(args, "expert_tensor_parallel_size", None)
     try:
         check_seq_split_flags(
             config, scheduler=str(getattr(args, "bytescale_scheduler", "balance")),
             pp_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
-            ep_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            ep_size=block,
+            expert_block=expert_block_words(
+                block, tp=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                etp=int(etp) if etp else None,
+                ep=int(getattr(args, "expert_model_parallel_size", 1) or 1)),
             vpp_size=int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
         )
         reasons = []

@@ -39,6 +39,7 @@ from megatron_bytescale.runtime.offload import offload_micro_batch
 
 from .busy_clock import busy_clock
 from .compat import megatron_backward_step, megatron_forward_step
+from .expert_layout import expert_block_words
 from .grad_sync import gather_params_without_forward, install_ordered_grad_sync
 from .groups import HDPGroupManager
 from .step_metrics import HDPStepMetrics, gather_step_metrics
@@ -367,6 +368,18 @@ def run_micro_batches(
     return records, local_tokens, forward_data_store
 
 
+def manager_block_words(manager: Any) -> str:
+    """``expert groups of B HDP ranks (...)`` for the run's lockstep block
+    (:func:`.expert_layout.expert_block_words`), with the sizes where the manager knows them:
+    ETP follows from the block, TP and EP (``ETP = B x TP / EP`` when B > 1)."""
+    block = getattr(manager, "ep_size", 1)
+    tp = getattr(manager, "tp_size", None)
+    ep = getattr(manager, "expert_model_parallel_size", None)
+    if tp and ep and block > 1 and (block * tp) % ep == 0:
+        return expert_block_words(block, tp=tp, etp=block * tp // ep, ep=ep)
+    return expert_block_words(block)
+
+
 def check_plan_experts(step: "HDPStep", manager: HDPGroupManager) -> int:
     """How many slots this rank runs (its micro-batches, then empty ones up to the busiest rank
     of its expert group); refuses a plan made for another expert-parallel size than the run's.
@@ -402,10 +415,11 @@ def _run_interleaved(step: "HDPStep", *, model: Any, config: Any, manager: HDPGr
     from .pipeline_interleaved import run_interleaved_micro_batches
 
     if getattr(manager, "ep_size", 1) > 1:
-        ep = getattr(manager, "expert_model_parallel_size", manager.ep_size)
-        raise ValueError(f"--expert-model-parallel-size {ep} does not run with interleaved "
-                         "pipeline stages (--virtual-pipeline-model-parallel-size) under HDP; train "
-                         "without virtual stages or with --expert-model-parallel-size 1")
+        raise ValueError(f"{manager_block_words(manager)} do not run with interleaved pipeline "
+                         "stages (--virtual-pipeline-model-parallel-size) under HDP: the "
+                         "interleaved driver keeps no slot rule across an expert group's HDP "
+                         "ranks; train without virtual stages, or with an expert group inside one "
+                         "TP group (ETP x EP <= TP, e.g. --expert-model-parallel-size 1)")
     if offloader is not None:
         raise ValueError("activation offload does not run with interleaved pipeline stages "
                          "(--virtual-pipeline-model-parallel-size); turn off --bytescale-offload or "

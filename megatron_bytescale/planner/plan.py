@@ -117,7 +117,9 @@ class StepPlan:
     ``virtual_pipeline_size`` (v): model chunks per pipeline stage of the interleaved 1F1B
     schedule (1: plain 1F1B); it changes the estimate (:mod:`.pipeline_floor`), not the rings.
     It is written to JSON only when above 1, so plans without it keep their hash.
-    ``ep_size`` (E): expert-parallel size; HDP ranks ``g*E .. g*E+E-1`` form expert group g,
+    ``ep_size`` (E): HDP ranks per expert group (Megatron's expert-parallel size when its
+    expert tensor-parallel size is the TP size; in general ``ETP x EP / TP``, or 1 when an
+    expert group lies inside one TP group); HDP ranks ``g*E .. g*E+E-1`` form expert group g,
     whose ranks meet in the MoE all-to-all of every micro-batch. With E > 1 a ring micro-batch
     sits at the same local index (its *slot*) on every member, and every rank of an expert
     group runs as many slots as the busiest of them (:func:`expert_slots`; a rank with nothing

@@ -45,14 +45,17 @@ EXPERTS = 4
 TOPK = 2
 
 
-def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall", **overrides: Any):
+def moe_config(*, aux: float, z: float | None, dispatcher: str = "alltoall",
+               num_query_groups: int = 2, num_layers: int = 2, **overrides: Any):
     """The tiny GPT of ``hdp_cases`` with 4 experts, top-2 in every layer (``overrides``: more
-    ``TransformerConfig`` fields, e.g. ``sequence_parallel``)."""
+    ``TransformerConfig`` fields, e.g. ``sequence_parallel``). ``num_query_groups`` 4 (one per
+    head) lets TP 4 split them; the default 2 keeps grouped-query attention. ``num_layers`` 4
+    gives interleaved stages at PP 2 one layer per model chunk."""
     from megatron_bytescale.integration.training import make_transformer_config
 
     return make_transformer_config(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        num_layers=num_layers, hidden_size=32, num_attention_heads=4,
+        num_query_groups=num_query_groups, ffn_hidden_size=64, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=48, moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
         moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, add_bias_linear=False, **overrides,

@@ -15,7 +15,12 @@ so an expert group (its tensor-and-expert group, ETP x EP consecutive ranks) spa
   micro-batches (megatron-core gathers their tokens over the expert TP group), the group is all
   4 HDP ranks (``ep_size`` 4, empty slots on three of them).
 
-Each runs a manual plan with a ring of 2 and a pack, router losses on.
+Each runs a manual plan with a ring of 2 and a pack, router losses on. Then ETP other than TP
+with PP:
+
+* TP 2 x PP 2 x ETP 1 x EP 2 (sequence parallelism; HDP 1): at each stage the expert group is
+  that stage's TP pair (``ep_size`` 1), two whole experts per rank; the TP x PP manual plan
+  (six micro-batches through both stages, two packs) and the balance scheduler's plan.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from typing import Any, Callable
 # (layout name, TP, ETP, EP, HDP ranks kept in step)
 ETP_LAYOUTS = [("tp2 etp1 ep2", 2, 1, 2, 1), ("tp2 etp1 ep4", 2, 1, 4, 2),
                ("tp1 etp2 ep2", 1, 2, 2, 4)]
+
+# TP 2 x PP 2 x ETP 1 x EP 2: (layout name, TP, PP, ETP, EP, HDP ranks kept in step)
+TPP_ETP_LAYOUT = ("tpp etp1 ep2", 2, 2, 1, 2, 1)
+TPP_ETP_RUNS = [f"{TPP_ETP_LAYOUT[0]} manual aux", f"{TPP_ETP_LAYOUT[0]} balance aux"]
 
 # four HDP ranks, one expert group: rings of 2 at slot 1 (documents 1 and 6 are longer than the
 # capacity 64), a pack of documents 2 + 4; counts 3 / 2 / 2 / 2, so ranks 1-3 run an empty slot
@@ -66,6 +75,14 @@ def run_etp_layouts(out: dict[str, Any], references, sequences, lengths: list[in
     from .moe_epp_cases import ep_rows_plan
     from .parallel_cases import switch_layout
 
+    def record_experts(name, manager, ran) -> None:
+        out["runs"][name].update(
+            ep_size=manager.ep_size, expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
+            expert_model_parallel_size=manager.expert_model_parallel_size,
+            expert_group=[int(r) for r in manager.rank_map.tp_ep_global_ranks],
+            plan_ep_size=ran.plan.ep_size,
+            slots=[expert_slots(ran.plan, r) for r in range(ran.plan.hdp_size)])
+
     for layout, tp, etp, ep, _ in ETP_LAYOUTS:
         manager = switch_layout(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                 expert_tensor_parallel_size=etp)
@@ -78,9 +95,25 @@ def run_etp_layouts(out: dict[str, Any], references, sequences, lengths: list[in
         ran, record, errors = step(config, references["aux"], sequences, lambda _: manual,
                                    manager)
         record_run(name, ran, record, errors, manager, config)
-        out["runs"][name].update(
-            ep_size=manager.ep_size, expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
-            expert_model_parallel_size=manager.expert_model_parallel_size,
-            expert_group=[int(r) for r in manager.rank_map.tp_ep_global_ranks],
-            plan_ep_size=ran.plan.ep_size,
-            slots=[expert_slots(ran.plan, r) for r in range(ran.plan.hdp_size)])
+        record_experts(name, manager, ran)
+
+    # TP 2 x PP 2 x ETP 1 x EP 2 (HDP 1): each stage's TP pair is its expert group
+    from megatron_bytescale.integration.planning import make_step_planner
+
+    from .hdp_cases import bytescale_config, cost_model
+    from .moe_parallel_cases import TPP_CAPACITY, tp_pp_plan
+
+    _, tp, pp, etp, ep, _ = TPP_ETP_LAYOUT
+    manager = switch_layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    balance = make_step_planner(
+        bytescale_config(capacity=TPP_CAPACITY, context_length=TPP_CAPACITY, scheduler="balance"),
+        hdp_size=manager.size, cost_model=cost_model(), pp_size=pp, ep_size=manager.ep_size)
+    manual = tp_pp_plan(lengths)
+    for name, planner in zip(TPP_ETP_RUNS, (lambda _: manual, balance)):
+        # a fresh config per model: wrapping one sets its hooks, which SequentialMLP's deepcopy
+        # of the config could not copy for the next model
+        config = moe_config(**cases["aux"], sequence_parallel=True)
+        ran, record, errors = step(config, references["aux"], sequences, planner, manager)
+        record_run(name, ran, record, errors, manager, config)
+        record_experts(name, manager, ran)

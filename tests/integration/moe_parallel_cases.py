@@ -18,7 +18,10 @@ is re-initialised (``parallel_cases.switch_layout``) with
 Each rank compares every reduced gradient (router and experts included) of its TP shard /
 pipeline stage with the matching slice of the reference. Negative controls run the TP and the
 TP x PP layouts with the TP ranks' counts left unsummed. Then the same processes run TP 2 x EP 2
-and PP 2 x EP 2 (``moe_epp_cases``).
+and PP 2 x EP 2 (``moe_epp_cases``), expert-tensor parallelism other than TP, with PP too
+(``moe_etp_cases``), TP 4 (``moe_tp4_cases``) and interleaved stages (``moe_vpp_cases``); the
+last two need models of their own (one query group per head; 4 layers), whose references the
+reference phase computes as well.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from .hdp_cases import (
     grab_grads_before_step,
 )
 from .moe_cases import LOG_NAMES, MOE_LENGTHS, moe_config, moe_reference, moe_reference_log
+from .moe_tp4_cases import TP4_QUERY_GROUPS
+from .moe_vpp_cases import VPP_LAYERS
 from .parallel_cases import (
     fresh_model,
     gradient_errors,
@@ -74,6 +79,7 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
     """Megatron at TP = PP = 1: initial MoE weights and rank 0's reference of each case."""
     from megatron.core import parallel_state
 
+    from megatron_bytescale.integration.compat import forget_moe_log_tracker
     from megatron_bytescale.integration.training import build_gpt_model, seed_model_parallel
 
     parallel_state.initialize_model_parallel()
@@ -87,6 +93,22 @@ def _reference_phase(sequences) -> dict[str, dict[str, Any]]:
             loss, grads = moe_reference(moe_config(**case), state, sequences)
             payload[0][name] = {"state": state, "loss": loss, "grads": grads}
         payload[0]["aux"]["log"] = moe_reference_log(moe_config(**CASES["aux"]), state, sequences)
+    # TP 4 splits the query groups too: the same model with one group per head (its own weights)
+    tp4_config = moe_config(**CASES["aux"], num_query_groups=TP4_QUERY_GROUPS)
+    tp4_state = build_gpt_model(tp4_config, vocab_size=VOCAB,
+                                max_sequence_length=CONTEXT).state_dict()
+    # interleaved stages at PP 2: the same model with 4 layers, one per model chunk
+    # (megatron-core's log tracker is sized by the first model that logs: forgotten around it)
+    vpp_config = moe_config(**CASES["aux"], num_layers=VPP_LAYERS)
+    vpp_state = build_gpt_model(vpp_config, vocab_size=VOCAB,
+                                max_sequence_length=CONTEXT).state_dict()
+    if dist.get_rank() == 0:
+        for name, config, weights in (("tp4 aux", tp4_config, tp4_state),
+                                      ("vpp aux", vpp_config, vpp_state)):
+            forget_moe_log_tracker()
+            loss, grads = moe_reference(config, weights, sequences)
+            payload[0][name] = {"state": weights, "loss": loss, "grads": grads}
+    forget_moe_log_tracker()
     dist.broadcast_object_list(payload, src=0)
     parallel_state.destroy_model_parallel()
     return payload[0]
@@ -226,6 +248,17 @@ def moe_parallel_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     from .moe_etp_cases import run_etp_layouts
 
     run_etp_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
+    # TP 4 (HDP 1): TP 4 x EP 1, TP 4 x ETP 1 x EP 4, TP 4 x ETP 2 x EP 2
+    from .moe_tp4_cases import run_tp4_layouts
+
+    run_tp4_layouts(out, references, sequences, MOE_LENGTHS, record_run, _step, CASES)
+
+    # TP 2 x PP 2 x VPP 2 x ETP 1 x EP 2 (HDP 1): interleaved stages, each stage's TP pair its
+    # expert group
+    from .moe_vpp_cases import run_vpp_layout
+
+    run_vpp_layout(out, references, sequences, MOE_LENGTHS, record_run, CASES)
 
     from megatron.core import parallel_state
 

@@ -153,6 +153,16 @@ def test_validate_sets_what_hdp_needs():
         ((), dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"),
          "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2"),
         ((), dict(num_experts=8, add_bias_linear=True), "--disable-bias-linear"),
+        ((), dict(num_experts=8, expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                  num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+         "expert groups of 2 HDP ranks (--expert-tensor-parallel-size 1 x "
+         "--expert-model-parallel-size 2 / --tensor-model-parallel-size 1 = 2) with "
+         "--virtual-pipeline-model-parallel-size 2 cannot be combined"),
+        (("--bytescale-seq-split",), dict(num_experts=8, expert_model_parallel_size=2,
+                                          pipeline_model_parallel_size=2, num_layers=4),
+         "--bytescale-seq-split does not run with expert groups of 2 HDP ranks "
+         "(--expert-tensor-parallel-size 1 x --expert-model-parallel-size 2 / "
+         "--tensor-model-parallel-size 1 = 2), needs 1"),
         ((), dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
         ((), dict(iterations_to_skip=[5]), "--iterations-to-skip"),
         ((), dict(mock_data=False), "--data-path"),
@@ -239,6 +249,32 @@ def test_moe_flags_pass_with_expert_parallelism_1(dispatcher, layout):
         moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.01],
         moe_z_loss_coeff=1e-3, add_bias_linear=False)
     assert megatron_lm.hdp_refusals(args) == []
+
+
+@pytest.mark.parametrize("argv, layout", [
+    ((), dict(num_layers_per_virtual_pipeline_stage=1)),
+    (("--bytescale-seq-split",), {}),
+])
+def test_an_expert_group_inside_one_tp_group_passes_virtual_stages_and_seq_split(argv, layout):
+    """TP 2 x PP 2 x ETP 1 x EP 2: Megatron's EP size is 2, but each stage's expert group is its
+    TP pair (lockstep block 1), whose ranks always run the same micro-batches, so neither
+    interleaved stages nor split ring micro-batches are refused for experts (they are for
+    expert groups over several HDP ranks: test_refusals_name_the_flag)."""
+    args = megatron_namespace(
+        "--bytescale-hdp", *argv, mock_data=True,
+        **{**tiny_model_args(), **layout, "num_layers": 4, "world_size": 4},
+        tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+        num_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+        expert_tensor_parallel_size=1, expert_model_parallel_size=2,
+        moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.01],
+        add_bias_linear=False)
+    assert megatron_lm.hdp_refusals(args) == []
+    # ETP = TP on 8 ranks (HDP 2): the expert group is both HDP ranks' TP pairs (block 2), and
+    # only that is refused, so the pass above is the block's doing
+    args.expert_tensor_parallel_size, args.world_size = 2, 8
+    (reason,) = megatron_lm.hdp_refusals(args)
+    assert ("expert groups of 2 HDP ranks (--expert-tensor-parallel-size 2 x "
+            "--expert-model-parallel-size 2 / --tensor-model-parallel-size 2 = 2)") in reason
 
 
 def test_every_refusal_is_reported_at_once_by_rank_0_only(capsys):

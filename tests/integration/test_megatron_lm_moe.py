@@ -85,8 +85,13 @@ def test_mixtral_example_passes_the_hooks_with_its_own_layout(patched_megatron_l
 def test_expert_tensor_parallel_layouts_pass_the_patched_validate_args(patched_megatron_lm):
     """``--expert-tensor-parallel-size`` other than TP passes the hooks and Megatron's own
     ``validate_args`` on 4 ranks where ETP x EP and TP divide one another (the layouts whose
-    gradients test_moe_parallel_training.py checks); other sizes are refused by flag name."""
+    gradients test_moe_parallel_training.py checks); other sizes are refused by flag name.
+    Interleaved stages and ``--bytescale-seq-split`` pass with an expert group inside one TP
+    group and are refused, naming the flags, when it spans several HDP ranks."""
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    vpp2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
+    etp1_ep2 = ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]
     base = [*PRETRAIN, *MIXTRAL_STYLE, "--mock-data"]
     served = validate_megatron_flags(patched_megatron_lm, [
         [*base, *tp2, "--expert-tensor-parallel-size", "1",
@@ -99,6 +104,13 @@ def test_expert_tensor_parallel_layouts_pass_the_patched_validate_args(patched_m
          "--expert-model-parallel-size", "4", *BYTESCALE_ADDITIONS],
         [*base, *tp2, "--expert-tensor-parallel-size", "3",
          *BYTESCALE_ADDITIONS],
+        # TP 2 x PP 2 x ETP 1 x EP 2: each stage's expert group is its TP pair (block 1), so
+        # interleaved stages and split ring micro-batches pass; at PP 2 x EP 2 (block 2) not
+        [*base, *tp2, *pp2, *vpp2, *etp1_ep2, *BYTESCALE_ADDITIONS],
+        [*base, *tp2, *pp2, *etp1_ep2, *BYTESCALE_ADDITIONS, "--bytescale-seq-split"],
+        [*base, *pp2, *vpp2, "--expert-model-parallel-size", "2", *BYTESCALE_ADDITIONS],
+        [*base, *pp2, "--expert-model-parallel-size", "2", *BYTESCALE_ADDITIONS,
+         "--bytescale-seq-split"],
     ], ("tensor_model_parallel_size", "expert_tensor_parallel_size", "expert_model_parallel_size",
         "data_parallel_size"), world_size=4)
     assert [s.values for s in served[:3]] == [
@@ -109,9 +121,18 @@ def test_expert_tensor_parallel_layouts_pass_the_patched_validate_args(patched_m
         dict(tensor_model_parallel_size=1, expert_tensor_parallel_size=2,
              expert_model_parallel_size=2, data_parallel_size=4),
     ], [_said(s) for s in served[:3]]
-    for result, flag in zip(served[3:], [
+    for result, flag in zip(served[3:5], [
             "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 4 / "
             "--tensor-model-parallel-size 1 = 8 HDP ranks per expert group does not divide",
             "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 = 3 and "
             "--tensor-model-parallel-size 2 do not divide one another"]):
+        assert result.refused and flag in _said(result), _said(result)
+    assert [s.values for s in served[5:7]] == [
+        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+             expert_model_parallel_size=2, data_parallel_size=1)] * 2, [
+                 _said(s) for s in served[5:7]]
+    block = ("expert groups of 2 HDP ranks (--expert-tensor-parallel-size 1 x "
+             "--expert-model-parallel-size 2 / --tensor-model-parallel-size 1 = 2)")
+    for result, flag in zip(served[7:], [f"{block} with --virtual-pipeline-model-parallel-size 2",
+                                         f"--bytescale-seq-split does not run with {block}"]):
         assert result.refused and flag in _said(result), _said(result)

@@ -103,3 +103,32 @@ def test_start_up_and_the_patch_script_refuse_an_unsupported_megatron(tmp_path, 
 def test_megatron_tests_carry_the_marker_of_the_second_lane(request):
     """tests/conftest.py marks them at collection: `pytest -m megatron` (lane 2) selects this."""
     assert request.node.get_closest_marker("megatron") is not None
+
+
+def test_the_moe_log_tracker_is_forgotten_so_a_deeper_model_can_log():
+    """megatron-core sizes a log-tracker entry by the first model that records it; after
+    ``forget_moe_log_tracker`` a model with more MoE layers records past the first one's size
+    (what the MoE spawn's 4-layer reference needs after the 2-layer ones)."""
+    import torch
+
+    def record(layer: int, layers: int) -> None:
+        value = torch.ones([])
+        if compat.megatron_core_version() >= (0, 17, 0):
+            from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+            get_moe_metrics_tracker().record("z_loss", value, layer, layers)
+        else:
+            from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+            save_to_aux_losses_tracker("z_loss", value, layer, layers)
+
+    compat.forget_moe_log_tracker()
+    record(2, 2)
+    assert compat.moe_log_tracker_values("z_loss").tolist() == [0.0, 1.0]
+    with pytest.raises(IndexError):  # the entry keeps its first size
+        record(4, 4)
+    compat.forget_moe_log_tracker()
+    assert compat.moe_log_tracker_values("z_loss") is None
+    record(4, 4)
+    assert compat.moe_log_tracker_values("z_loss").tolist() == [0.0, 0.0, 0.0, 1.0]
+    compat.forget_moe_log_tracker()

@@ -1,10 +1,11 @@
 """MoE under HDP with TP 2 (sequence parallelism), with PP 2 and with both (TP 2 x PP 2), at
-expert parallelism 1 (and 2 for TP and for PP), and with expert-tensor parallelism other than
-TP (TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2), on 4 CPU ranks: every gradient equals
-megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
+expert parallelism 1 (and 2 for TP and for PP), with expert-tensor parallelism other than TP
+(TP 2 x ETP 1 x EP 2 / 4, TP 1 x ETP 2 x EP 2, TP 2 x PP 2 x ETP 1 x EP 2, the last also with
+two interleaved stages), and at TP 4 (EP 1, ETP 1 x EP 4, ETP 2 x EP 2), on 4 CPU ranks: every
+gradient equals megatron-core's single-process MoE, and at TP 2 so does the logged router loss.
 
-All eight layouts share ONE 4-process spawn (module-scoped fixture); see
-``moe_parallel_cases.py``, ``moe_epp_cases.py`` and ``moe_etp_cases.py``.
+All layouts share ONE 4-process spawn (module-scoped fixture); see ``moe_parallel_cases.py``,
+``moe_epp_cases.py``, ``moe_etp_cases.py``, ``moe_tp4_cases.py`` and ``moe_vpp_cases.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import pytest
 
 from megatron_bytescale.testing.distributed import run_distributed
 
-from .moe_etp_cases import ETP_LAYOUTS
+from .moe_etp_cases import ETP_LAYOUTS, TPP_ETP_LAYOUT, TPP_ETP_RUNS
 from .moe_parallel_cases import moe_parallel_rank_body
+from .moe_tp4_cases import TP4_LAYOUTS, TP4_QUERY_GROUPS, TP4_RUNS
+from .moe_vpp_cases import VPP_RUN
 
 TOLERANCE = 1e-5
 TP_RUNS = ["tp alltoall aux 0", "tp alltoall aux", "tp allgather aux"]
@@ -165,6 +168,36 @@ def test_moe_gradients_equal_megatron_alone_with_expert_tensor_parallelism(resul
     assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
 
 
+def test_the_expert_tensor_parallel_layout_with_pp_is_the_one_meant(results):
+    """TP 2 x PP 2 x ETP 1 x EP 2 (HDP 1): at each stage the expert group is that stage's TP
+    pair, so no HDP ranks are kept in step (``ep_size`` 1); the manual plan runs six
+    micro-batches (two packs) through both stages, the balance plan its own several."""
+    _, tp, pp, etp, ep, lockstep = TPP_ETP_LAYOUT
+    for run in TPP_ETP_RUNS:
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == tp and i["pp_size"] == pp and i["expert_tp_size"] == etp
+                   and i["expert_model_parallel_size"] == ep and i["sequence_parallel"]
+                   for i in info), run
+        assert all(i["ep_size"] == i["plan_ep_size"] == lockstep for i in info), run
+        assert sorted((i["tp"], i["pp"]) for i in info) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        # the expert group of each stage: its TP pair (global ranks 0-1 and 2-3)
+        assert [i["expert_group"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]], run
+        assert info[0]["ring_sizes"] == [1], run  # one HDP rank: no rings
+    manual, balance = (results[0]["runs"][run] for run in TPP_ETP_RUNS)
+    assert manual["micro_batch_counts"] == manual["slots"] == [6] and manual["packs"] == 2
+    assert balance["micro_batch_counts"][0] > 1
+
+
+@pytest.mark.parametrize("run", TPP_ETP_RUNS)
+def test_moe_gradients_equal_megatron_alone_with_etp_and_pp(results, run):
+    # the loss: the last stage's TP rank 0; every rank holds one layer's router and its two
+    # whole experts (EP 2, ETP 1) x 2 linears
+    holders = [r["runs"][run] for r in results
+               if r["runs"][run]["tp"] == 0 and r["runs"][run]["pp"] == 1]
+    routers, experts = _check_loss_and_gradients(results, run, holders, "aux")
+    assert routers == 4 and experts == 4 * 2 * 2, (routers, experts)
+
+
 def test_the_logged_router_losses_at_tp_2_are_the_documents_own_weighted_by_tokens(results):
     """At TP 2 with sequence parallelism each TP rank holds its rows' share of every router loss:
     Megatron-LM's logged values (reduced over TP x HDP) equal megatron-core's log of each
@@ -182,3 +215,53 @@ def test_the_logged_router_losses_at_tp_2_are_the_documents_own_weighted_by_toke
         assert set(control) == set(reference), control
         for name, value in reference.items():
             assert abs(control[name] - value) / value > 100 * TOLERANCE, (r["rank"], name)
+
+
+def test_the_tp_4_layouts_and_plan_are_the_ones_meant(results):
+    """TP 4 (HDP 1, sequence parallelism) with the experts split four ways (EP 1), one whole
+    expert per rank (ETP 1 x EP 4: the expert group is the TP group) and ETP 2 x EP 2: the
+    expert group lies inside the TP group, so no HDP ranks in step; one rank, five
+    micro-batches, one a pack of three documents."""
+    for (layout, etp, ep), run in zip(TP4_LAYOUTS, TP4_RUNS):
+        info = [r["runs"][run] for r in results]
+        assert all(i["tp_size"] == 4 and i["pp_size"] == 1 and i["sequence_parallel"]
+                   and i["expert_tp_size"] == etp and i["expert_model_parallel_size"] == ep
+                   and i["query_groups"] == TP4_QUERY_GROUPS for i in info), run
+        assert sorted(i["tp"] for i in info) == [0, 1, 2, 3], run
+        assert all(i["ep_size"] == i["plan_ep_size"] == 1 for i in info), run
+        block = etp * ep  # megatron-core's tensor-and-expert group: ETP x EP consecutive ranks
+        assert [i["expert_group"] for i in info] == [
+            list(range(r - r % block, r - r % block + block)) for r in range(4)], run
+        assert info[0]["ring_sizes"] == [1] and info[0]["micro_batch_counts"] == [5], run
+        assert info[0]["packs"] == 2, run
+
+
+@pytest.mark.parametrize("run", TP4_RUNS)
+def test_moe_gradients_equal_megatron_alone_at_tp_4(results, run):
+    layout, etp, ep = TP4_LAYOUTS[TP4_RUNS.index(run)]
+    holders = [r["runs"][run] for r in results if r["runs"][run]["tp"] == 0]
+    routers, experts = _check_loss_and_gradients(results, run, holders, "tp4 aux")
+    # 2 layers x 4 ranks, each holding 4 / EP experts (split over ETP ranks) x 2 linears
+    assert routers == 8 and experts == 8 * (4 // ep) * 2, (routers, experts)
+
+
+def test_the_interleaved_moe_layout_is_the_one_meant(results):
+    """TP 2 x PP 2 x VPP 2 x ETP 1 x EP 2 (HDP 1): each stage's expert group is its TP pair
+    (block 1: the interleaved driver needs no slot rule); chunk c of stage s holds layer
+    2c + s + 1; the manual plan's six micro-batches (two packs) run through both stages."""
+    info = [r["runs"][VPP_RUN] for r in results]
+    assert all(i["tp_size"] == 2 and i["pp_size"] == 2 and i["vpp"] == 2 and i["sequence_parallel"]
+               and i["expert_tp_size"] == 1 and i["expert_model_parallel_size"] == 2
+               and i["ep_size"] == i["plan_ep_size"] == 1 for i in info)
+    assert sorted((i["tp"], i["pp"]) for i in info) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [i["expert_group"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [i["layers"] for i in info] == [[[1], [3]], [[1], [3]], [[2], [4]], [[2], [4]]]
+    assert info[0]["micro_batch_counts"] == [6] and info[0]["packs"] == 2
+
+
+def test_moe_gradients_equal_megatron_alone_with_interleaved_stages(results):
+    holders = [r["runs"][VPP_RUN] for r in results
+               if r["runs"][VPP_RUN]["tp"] == 0 and r["runs"][VPP_RUN]["pp"] == 1]
+    routers, experts = _check_loss_and_gradients(results, VPP_RUN, holders, "vpp aux")
+    # 4 ranks x 2 chunks of one layer: its router and its two whole experts x 2 linears
+    assert routers == 8 and experts == 8 * 2 * 2, (routers, experts)

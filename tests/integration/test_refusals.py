@@ -21,7 +21,9 @@ from megatron_bytescale.testing import cpu_compat
                                              "8 HDP ranks"),
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
               virtual_pipeline_model_parallel_size=2),
-         "--expert-model-parallel-size 2 with --virtual-pipeline-model-parallel-size 2"),
+         re.escape("expert groups of 2 HDP ranks (--expert-tensor-parallel-size 1 x "
+                   "--expert-model-parallel-size 2 / --tensor-model-parallel-size 1 = 2) with "
+                   "--virtual-pipeline-model-parallel-size 2")),
         (dict(tensor_model_parallel_size=3), "not divisible by TP x PP = 3"),
         (dict(tensor_model_parallel_size=4, num_attention_heads=6),
          "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
@@ -33,6 +35,34 @@ def test_layout_refuses_unsupported_parallelism(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         HDPParallelLayout(world_size=8, **kwargs)
     assert not re.search(r"later issue|not yet|\byet\b|issue \d", str(info.value))
+
+
+@pytest.mark.parametrize("tp, etp, ep, block", [
+    (2, 1, 2, 1), (4, 1, 4, 1), (4, 2, 2, 1), (2, None, 1, 1),  # inside one TP group
+    (2, None, 2, 2), (2, 1, 4, 2), (1, 2, 2, 4), (1, None, 2, 2),
+])
+def test_interleaved_stages_with_experts_are_refused_by_the_expert_block(tp, etp, ep, block):
+    """Interleaved stages keep no slot rule across HDP ranks, so the layout refuses them exactly
+    when an expert group spans several HDP ranks (``ETP x EP / TP`` > 1), naming the flags that
+    make the block; an expert group inside one TP group (TP 2 x ETP 1 x EP 2, whose EP size is
+    2) passes, as at EP 1."""
+    kwargs = dict(world_size=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                  virtual_pipeline_model_parallel_size=2, expert_tensor_parallel_size=etp,
+                  expert_model_parallel_size=ep)
+    if block == 1:
+        assert HDPParallelLayout(**kwargs).hdp_size == 8 // tp
+        return
+    with pytest.raises(ValueError) as info:
+        HDPParallelLayout(**kwargs)
+    assert list(info.value.reasons) == [
+        f"expert groups of {block} HDP ranks (--expert-tensor-parallel-size {etp or tp} x "
+        f"--expert-model-parallel-size {ep} / --tensor-model-parallel-size {tp} = {block}) with "
+        "--virtual-pipeline-model-parallel-size 2 cannot be combined with --bytescale-hdp: the "
+        "interleaved driver keeps no slot rule across the HDP ranks of an expert group; run "
+        "without virtual stages, or with sizes whose expert group lies inside one TP group "
+        "(ETP x EP <= TP, e.g. --expert-model-parallel-size 1)"]
+    # without virtual stages the same sizes train
+    HDPParallelLayout(**{**kwargs, "virtual_pipeline_model_parallel_size": None})
 
 
 def test_layout_reports_every_refusal_at_once():
@@ -168,23 +198,56 @@ def test_moe_trains_with_tensor_and_pipeline_parallelism(layout):
 
 
 def test_expert_parallel_drivers_refuse_what_they_cannot_keep_in_step():
-    """The drivers refuse, before anything runs, interleaved stages with EP (a list of model
-    chunks) and a plan with split ring micro-batches at PP x EP: both would let the pipelines of
-    an expert group run their all-to-alls in different orders."""
+    """The drivers refuse, before anything runs, interleaved stages with expert groups over
+    several HDP ranks (a list of model chunks) and a plan with split ring micro-batches there:
+    both would let the pipelines of an expert group run their all-to-alls in different orders.
+    The rule is the lockstep block (``manager.ep_size``, ``ETP x EP / TP``), named with the
+    flags that make it."""
     from types import SimpleNamespace
 
     from megatron_bytescale.integration.pipeline_schedule import pipeline_slots
     from megatron_bytescale.integration.schedule import run_micro_batches
 
-    manager = SimpleNamespace(ep_size=2)
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 does not run with "
-                                         "interleaved pipeline stages"):
+    # TP 2 x ETP 1 x EP 4: expert groups of 2 HDP ranks
+    manager = SimpleNamespace(ep_size=2, tp_size=2, expert_model_parallel_size=4)
+    words = ("expert groups of 2 HDP ranks (--expert-tensor-parallel-size 1 x "
+             "--expert-model-parallel-size 4 / --tensor-model-parallel-size 2 = 2)")
+    with pytest.raises(ValueError, match=re.escape(words) + " do not run with interleaved "
+                                         "pipeline stages"):
         run_micro_batches(None, model=[torch.nn.Linear(1, 1)] * 2, config=None, manager=manager)
     chunk = SimpleNamespace(order=3, chunk=(0, 2))
     plan = SimpleNamespace(ep_size=2, ranks=[SimpleNamespace(micro_batches=[chunk])] * 2)
     step = SimpleNamespace(plan=plan, hdp_rank=0, index=7, micro_batches=[chunk],
                            num_micro_batches=1)
     with pytest.raises(ValueError, match=r"step 7: the plan splits ring micro-batches \(orders "
-                                         r"\[3\]\) into chunks, which --expert-model-parallel-size 2"):
+                                         r"\[3\]\) into chunks, which " + re.escape(words)):
         pipeline_slots(step, manager)
     assert pipeline_slots(SimpleNamespace(**{**vars(step), "micro_batches": []}), manager) == 1
+    # a manager without the sizes (or a block its sizes do not explain) names the flags only
+    bare = SimpleNamespace(ep_size=2)
+    with pytest.raises(ValueError, match=re.escape(
+            "expert groups of 2 HDP ranks (--expert-tensor-parallel-size x "
+            "--expert-model-parallel-size / --tensor-model-parallel-size = 2) do not run")):
+        run_micro_batches(None, model=[torch.nn.Linear(1, 1)] * 2, config=None, manager=bare)
+
+
+def test_expert_groups_inside_one_tp_group_pass_the_drivers_expert_checks():
+    """TP 2 x ETP 1 x EP 2: Megatron's EP size is 2 but the expert group is one HDP rank's TP
+    pair (block 1), whose ranks always run the same micro-batches and chunks, so neither the
+    interleaved driver nor a split plan is refused for experts (the interleaved driver goes on
+    to its next check, here --overlap-grad-reduce)."""
+    from types import SimpleNamespace
+
+    from megatron_bytescale.integration.pipeline_schedule import pipeline_slots
+    from megatron_bytescale.integration.schedule import run_micro_batches
+
+    manager = SimpleNamespace(ep_size=1, tp_size=2, expert_model_parallel_size=2)
+    chunk = torch.nn.Linear(1, 1)
+    chunk.ddp_config = SimpleNamespace(overlap_grad_reduce=True)
+    with pytest.raises(ValueError, match="^--overlap-grad-reduce does not run with interleaved"):
+        run_micro_batches(None, model=[chunk, chunk], config=None, manager=manager)
+    split = SimpleNamespace(order=3, chunk=(0, 2))
+    plan = SimpleNamespace(ep_size=1, ranks=[SimpleNamespace(micro_batches=[split])])
+    step = SimpleNamespace(plan=plan, hdp_rank=0, index=7, micro_batches=[split],
+                           num_micro_batches=1)
+    assert pipeline_slots(step, manager) == 1

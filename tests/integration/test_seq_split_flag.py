@@ -43,7 +43,8 @@ def test_the_flag_reaches_the_planner_and_the_plan_has_chunks():
 @pytest.mark.parametrize("config, kw, flag", [
     (dict(offload=True), {}, "--bytescale-offload (use --no-bytescale-offload)"),
     ({}, dict(vpp_size=2), "--virtual-pipeline-model-parallel-size 2"),
-    ({}, dict(ep_size=2), "--expert-model-parallel-size 2"),
+    ({}, dict(ep_size=2), "expert groups of 2 HDP ranks (--expert-tensor-parallel-size x "
+                          "--expert-model-parallel-size / --tensor-model-parallel-size = 2)"),
     ({}, dict(pp_size=1), "--pipeline-model-parallel-size 1"),
     (dict(scheduler="naive"), {}, "--bytescale-scheduler naive (use balance)"),
 ])
@@ -67,3 +68,30 @@ def test_megatron_args_refusals_list_recomputation_too():
     args.bytescale_seq_split = False
     args.pipeline_model_parallel_size = 1
     assert seq_split_refusals(args) == []
+
+
+@pytest.mark.parametrize("tp, etp, ep, refused", [
+    (2, 1, 2, None),  # the expert group is one HDP rank's TP pair: block 1, no slot rule
+    (4, 1, 4, None),
+    (1, None, 1, None),
+    (2, None, 2, "expert groups of 2 HDP ranks (--expert-tensor-parallel-size 2 x "
+                 "--expert-model-parallel-size 2 / --tensor-model-parallel-size 2 = 2)"),
+    (2, 1, 4, "expert groups of 2 HDP ranks (--expert-tensor-parallel-size 1 x "
+              "--expert-model-parallel-size 4 / --tensor-model-parallel-size 2 = 2)"),
+    (1, 2, 2, "expert groups of 4 HDP ranks"),
+])
+def test_megatron_args_refuse_seq_split_by_the_expert_block_not_the_ep_size(tp, etp, ep, refused):
+    """The hooks refuse ``--bytescale-seq-split`` only when an expert group spans several HDP
+    ranks (``ETP x EP / TP`` > 1, what the driver refuses too), naming the flags that make it:
+    an expert group inside one TP group runs the same chunks in the same order on every rank."""
+    args = argparse.Namespace(bytescale_seq_split=True, bytescale_offload=False,
+                              bytescale_scheduler="balance", pipeline_model_parallel_size=2,
+                              tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+                              expert_model_parallel_size=ep,
+                              virtual_pipeline_model_parallel_size=None)
+    reasons = seq_split_refusals(args)
+    if refused is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and refused in reasons[0], reasons
+        assert reasons[0].startswith("--bytescale-seq-split does not run with expert groups")

@@ -125,7 +125,7 @@ def test_timing_only_plans_split_too():
 @pytest.mark.parametrize("kw, needle", [
     (dict(scheduler="naive", pp_size=4), "scheduler 'naive' (use balance)"),
     (dict(scheduler="balance", pp_size=1), "pipeline size 1"),
-    (dict(scheduler="balance", pp_size=4, ep_size=2), "expert parallel size 2"),
+    (dict(scheduler="balance", pp_size=4, ep_size=2), "expert groups of 2 HDP ranks"),
 ])
 def test_seq_split_is_refused_in_one_line_where_it_cannot_apply(kw, needle):
     cm = small_cost_model(num_layers=16)

@@ -178,6 +178,6 @@ def test_seq_split_is_refused_with_expert_parallelism():
     cm = CostModel(num_layers=4, alpha1=1e-9, beta1=1e-6, gamma=1e-4, alpha2=1e3, d2h_bandwidth=1e10,
                    h2d_bandwidth=1e10, kv_bytes_per_token=64.0, p2p_bandwidth_intra=1e9,
                    p2p_bandwidth_inter=1e9)
-    with pytest.raises(ValueError, match="expert parallel size 2"):
+    with pytest.raises(ValueError, match="expert groups of 2 HDP ranks"):
         ClusterSetup(hdp_size=4, capacity=1024, cost_model=cm, pp_size=2, seq_split=True, ep_size=2)
     assert ClusterSetup(hdp_size=4, capacity=1024, cost_model=cm, pp_size=2, seq_split=True).seq_split

@@ -88,7 +88,9 @@ def make_plan(
             token pieces (``meta["pieces"] = False``; ``validate()`` rejects it and the runtime
             cannot train it). The simulator uses it: splitting every document of a 2M-token
             static bin over 256 ranks costs more than the whole schedule at scale.
-        ep_size: expert-parallel size (must divide ``hdp_size``): every ring micro-batch then
+        ep_size: HDP ranks one expert group spans (must divide ``hdp_size``): the run's
+            lockstep block ``ETP x EP / TP`` (EP when ETP = TP; 1 when the expert group lies
+            inside one TP group, as for a dense model). Above 1 every ring micro-batch then
             sits at the same local index on all its members (``StepPlan.ep_size``); ``balance``
             plans it with PP-Balance's count groups, the other schedulers are checked.
         seq_split: after ``balance`` has chosen its PP plan, split its longest rings into 2, 4

@@ -210,7 +210,7 @@ def check_seq_split(*, scheduler: str, pp_size: int, ep_size: int = 1, virtual_p
         "scheduler": f"scheduler {scheduler!r} (use balance)",
         "pp": f"pipeline size {pp_size} (needs >= 2: there is no fill and drain to shorten)",
         "vpp": f"{virtual_pipeline_size} virtual stages (split chunks run plain 1F1B; drop the VPP flags)",
-        "ep": f"expert parallel size {ep_size} (needs 1)",
+        "ep": f"expert groups of {ep_size} HDP ranks in lockstep (ep_size {ep_size}; needs 1)",
         "offload": "activation offload (split chunks do not offload; turn offload off)",
     }
     why = seq_split_conflicts(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size,
