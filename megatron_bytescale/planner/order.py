@@ -31,6 +31,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from .plan import PlanError, StepPlan
+from .wavefront import simulate_wavefront
 
 Node = Hashable
 
@@ -88,6 +89,10 @@ def simulate(
         barriers = list(plan.meta.get("barrier_after_orders", []) or [])
     dur = durations or {}
     pp = plan.pp_size
+    if pp > 1 and not barriers and not record:
+        finish = simulate_wavefront(lists, dur, pp, forward_fraction)
+        if finish is not None:
+            return Simulation(rank_finish_s=finish)
     if pp > 1 and not barriers:
         fast = _simulate_pipelines(lists, dur, pp, forward_fraction, plan.hdp_size, record)
         if fast is not None:
