@@ -58,12 +58,39 @@ def simulate_wavefront(lists: Sequence[Sequence[int]], dur: Mapping[int, float],
         return None
     holders = np.bincount(index, minlength=len(orders))
     t = np.array([float(dur.get(o, 0.0)) for o in orders.tolist()] + [0.0])
-    weight = np.stack([t * forward_fraction, t * (1.0 - forward_fraction)])  # [phase, order]
     pad = len(orders)  # a weightless order past every list's end
     grid = np.full((n, depth), pad, dtype=np.int64)
     grid[np.repeat(np.arange(n), counts), local] = index
-    ring_grid = np.append(holders > 1, False)[grid]
+    return _run(grid, t, np.append(holders > 1, False)[grid], pp, forward_fraction)
 
+
+def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction: float) -> np.ndarray:
+    """Per pipeline, its 1F1B makespan run alone: ``times[r]`` are its micro-batches' stage
+    times in list order, and a ring micro-batch waits for nobody.
+
+    A lower bound on the pipeline's finish in :func:`simulate_wavefront` with the same times:
+    the graph is the same minus the rendezvous, so every op's set of predecessors shrinks and its
+    start (a maximum over them) can only come earlier."""
+    n = len(times)
+    counts = np.fromiter((len(ts) for ts in times), dtype=np.int64, count=n)
+    depth = int(counts.max()) if n else 0
+    if depth == 0:
+        return np.zeros(n)
+    flat = np.fromiter((x for ts in times for x in ts), dtype=float, count=int(counts.sum()))
+    pad = len(flat)
+    grid = np.full((n, depth), pad, dtype=np.int64)
+    local = np.arange(pad) - np.repeat(np.cumsum(counts) - counts, counts)
+    grid[np.repeat(np.arange(n), counts), local] = np.arange(pad)
+    return _run(grid, np.append(flat, 0.0), np.zeros((n, depth), dtype=bool), pp, forward_fraction)
+
+
+def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float) -> np.ndarray:
+    """The wavefronts (module docstring): ``grid[r, i]`` is the order index of pipeline r's
+    i-th micro-batch (``len(t) - 1``, a weightless pad, past its end), ``t`` the stage time of
+    every order index, ``ring_grid`` where a slot is a ring's."""
+    n, depth = grid.shape
+    pad = len(t) - 1
+    weight = np.stack([t * forward_fraction, t * (1.0 - forward_fraction)])  # [phase, order]
     stages = np.arange(pp)
     last = np.zeros((n, pp))  # finish of each stage's latest op
     prev = np.zeros((n, pp))  # finish of the ops of the previous key
