@@ -177,27 +177,26 @@ class RingPlacer:
     def on_nodes(self, d: int, num_nodes: int, eligible: np.ndarray | None = None, *,
                  view: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, tuple[int, ...]] | None:
         """``(start, members)``: the earliest start of a ring of ``d`` on at most ``num_nodes``
-        nodes (exact: bisection over the candidate start times), or None; ``view`` as in
+        nodes (exact: the first candidate start time that fits), or None; ``view`` as in
         :meth:`_compact_sorted`."""
         srt, order = self._view(eligible) if view is None else view
         cand = np.unique(srt[:, : min(d, self.width)])
         cand = cand[np.isfinite(cand)]
         k_nodes = min(num_nodes, len(srt))
-
-        def fits(s: float) -> bool:
-            counts = (srt <= s).sum(axis=1)
-            top = counts if k_nodes >= len(counts) else np.partition(counts, len(counts) - k_nodes)[-k_nodes:]
-            return int(top.sum()) >= d
-
-        if not len(cand) or not fits(float(cand[-1])):
+        if not len(cand):
             return None
-        lo, hi = 0, len(cand) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(float(cand[mid])):
-                hi = mid
-            else:
-                lo = mid + 1
+        # A start s fits when the k_nodes nodes with the most ranks free by s hold d. Node rows
+        # are sorted, so "at least v ranks free by s" is column v - 1 <= s, and the k fullest
+        # nodes hold sum over v of min(k, nodes with at least v free): every candidate at once
+        # (the same answer as a bisection with the per-node counts; the total grows with s).
+        columns = np.sort(srt, axis=0)
+        held = np.zeros(len(cand), dtype=np.int64)
+        for v in range(srt.shape[1]):
+            held += np.minimum(np.searchsorted(columns[:, v], cand, side="right"), k_nodes)
+        fits = held >= d
+        if not fits[-1]:
+            return None
+        lo = int(np.argmax(fits))
         counts = (srt <= float(cand[lo])).sum(axis=1)
         chosen, total = [], 0
         for k in np.argsort(-counts, kind="stable").tolist():  # fullest nodes first, then node id
