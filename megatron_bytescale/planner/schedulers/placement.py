@@ -112,7 +112,7 @@ class RingPlacer:
         ok = np.append(eligible, False)[self._idx]
         m = np.where(ok, self._ext[self._idx], np.inf)
         order = np.argsort(m, axis=1, kind="stable")
-        return m, np.take_along_axis(m, order, axis=1), order
+        return m, np.sort(m, axis=1), order  # the same values as m gathered by order, cheaper
 
     def spans_min_nodes(self, ring: Sequence[int]) -> bool:
         """Whether ``ring`` already sits on the fewest nodes its size allows."""
