@@ -20,6 +20,11 @@ reached it. This module simulates that, as a dependency graph processed in topol
 
 If some node can never run, the plan deadlocks: :func:`check_deadlock_free` raises
 :class:`PlanError` naming the stuck ranks and what they wait for.
+
+Timing a PP plan without barriers (what the planner's estimate asks for) runs in wavefronts
+(:mod:`.wavefront`: the same floats, vectorised over pipelines) when every ring sits at one
+local index on its members, as :meth:`StepPlan.validate` requires; otherwise, and to record node
+times, the graph below is walked.
 """
 
 from __future__ import annotations
