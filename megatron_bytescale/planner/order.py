@@ -20,6 +20,11 @@ reached it. This module simulates that, as a dependency graph processed in topol
 
 If some node can never run, the plan deadlocks: :func:`check_deadlock_free` raises
 :class:`PlanError` naming the stuck ranks and what they wait for.
+
+Timing a PP plan without barriers (what the planner's estimate asks for) runs in wavefronts
+(:mod:`.wavefront`: the same floats, vectorised over pipelines) when every ring sits at one
+local index on its members, as :meth:`StepPlan.validate` requires; otherwise, and to record node
+times, the graph below is walked.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from .plan import PlanError, StepPlan
+from .wavefront import simulate_wavefront
 
 Node = Hashable
 
@@ -88,6 +94,10 @@ def simulate(
         barriers = list(plan.meta.get("barrier_after_orders", []) or [])
     dur = durations or {}
     pp = plan.pp_size
+    if pp > 1 and not barriers and not record:
+        finish = simulate_wavefront(lists, dur, pp, forward_fraction)
+        if finish is not None:
+            return Simulation(rank_finish_s=finish)
     if pp > 1 and not barriers:
         fast = _simulate_pipelines(lists, dur, pp, forward_fraction, plan.hdp_size, record)
         if fast is not None:

@@ -90,7 +90,7 @@ from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit
 from .dp_balance import dp_balance, makespan
 from .ep_slots import even_expert_slots
 from .naive import fill_steps, fill_steps_aligned
-from .pp_balance import pipeline_floor, pp_balance, short_first
+from .pp_balance import alone_floor, pipeline_floor, pp_balance, short_first
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
@@ -198,7 +198,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     widening trades fewer bubbles for more communication and the estimate decides).
 
     Unit sets go in the order of :func:`_plan_balance`, a set's candidates in the order of their
-    1F1B floor (:func:`.pp_balance.pipeline_floor`); a set or a candidate whose floor is
+    1F1B floor (:func:`.pp_balance.alone_floor`); a set or a candidate whose floor is
     already slower than the best step is skipped. Ties go to the earlier candidate (the earlier
     set of :func:`.selective.unit_options`, then the list order), so skipping never changes
     the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
@@ -235,7 +235,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             candidates.append((name, placements, grown, units_of))
         ranked = []
         for name, placements, grown, units_of in candidates:
-            ranked.append((pipeline_floor(placements, units_of, ctx, request.pp_size), count, name, placements, grown))
+            ranked.append((alone_floor(placements, units_of, ctx, request.pp_size), count, name, placements, grown))
             count += 1
         for floor, index, name, placements, grown in sorted(ranked, key=lambda c: (c[0], c[1])):
             # a candidate whose 1F1B floor is already slower than the best cannot win: skip its

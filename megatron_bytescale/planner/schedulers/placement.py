@@ -102,11 +102,17 @@ class RingPlacer:
             self._sorted[rows] = m[np.arange(len(rows))[:, None], order]
         return self._sorted, self._order
 
+    def _view(self, eligible: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Every node's loads sorted (ineligible ranks as +inf) and the positions that sort them."""
+        if eligible is None:
+            return self._sorted_view()
+        return self._masked(eligible)[1:]
+
     def _masked(self, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ok = np.append(eligible, False)[self._idx]
         m = np.where(ok, self._ext[self._idx], np.inf)
         order = np.argsort(m, axis=1, kind="stable")
-        return m, np.take_along_axis(m, order, axis=1), order
+        return m, np.sort(m, axis=1), order  # the same values as m gathered by order, cheaper
 
     def spans_min_nodes(self, ring: Sequence[int]) -> bool:
         """Whether ``ring`` already sits on the fewest nodes its size allows."""
@@ -120,14 +126,13 @@ class RingPlacer:
             return self._compact_in_node(d)
         return self._compact_sorted(d, eligible)
 
-    def _compact_sorted(self, d: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+    def _compact_sorted(self, d: int, eligible: np.ndarray | None = None, *,
+                        view: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, tuple[int, ...]] | None:
         """:meth:`compact` from the sorted view of every node's loads (the reference that
-        :meth:`_compact_in_node` matches for rings that fit a node)."""
+        :meth:`_compact_in_node` matches for rings that fit a node); ``view`` is
+        :meth:`_view` of ``eligible`` when the caller has it already."""
         g = self.width
-        if eligible is None:
-            srt, order = self._sorted_view()
-        else:
-            _, srt, order = self._masked(eligible)
+        srt, order = self._view(eligible) if view is None else view
         if d <= g:
             col = srt[:, d - 1]
             k = int(np.argmin(col))
@@ -169,31 +174,29 @@ class RingPlacer:
             return start, tuple(sorted((picked + k * g).tolist()))
         return self._result(self._idx[k, picked])
 
-    def on_nodes(self, d: int, num_nodes: int, eligible: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
+    def on_nodes(self, d: int, num_nodes: int, eligible: np.ndarray | None = None, *,
+                 view: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, tuple[int, ...]] | None:
         """``(start, members)``: the earliest start of a ring of ``d`` on at most ``num_nodes``
-        nodes (exact: bisection over the candidate start times), or None."""
-        if eligible is None:
-            srt, order = self._sorted_view()
-        else:
-            _, srt, order = self._masked(eligible)
+        nodes (exact: the first candidate start time that fits), or None; ``view`` as in
+        :meth:`_compact_sorted`."""
+        srt, order = self._view(eligible) if view is None else view
         cand = np.unique(srt[:, : min(d, self.width)])
         cand = cand[np.isfinite(cand)]
         k_nodes = min(num_nodes, len(srt))
-
-        def fits(s: float) -> bool:
-            counts = (srt <= s).sum(axis=1)
-            top = counts if k_nodes >= len(counts) else np.partition(counts, len(counts) - k_nodes)[-k_nodes:]
-            return int(top.sum()) >= d
-
-        if not len(cand) or not fits(float(cand[-1])):
+        if not len(cand):
             return None
-        lo, hi = 0, len(cand) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(float(cand[mid])):
-                hi = mid
-            else:
-                lo = mid + 1
+        # A start s fits when the k_nodes nodes with the most ranks free by s hold d. Node rows
+        # are sorted, so "at least v ranks free by s" is column v - 1 <= s, and the k fullest
+        # nodes hold sum over v of min(k, nodes with at least v free): every candidate at once
+        # (the same answer as a bisection with the per-node counts; the total grows with s).
+        columns = np.sort(srt, axis=0)
+        held = np.zeros(len(cand), dtype=np.int64)
+        for v in range(srt.shape[1]):
+            held += np.minimum(np.searchsorted(columns[:, v], cand, side="right"), k_nodes)
+        fits = held >= d
+        if not fits[-1]:
+            return None
+        lo = int(np.argmax(fits))
         counts = (srt <= float(cand[lo])).sum(axis=1)
         chosen, total = [], 0
         for k in np.argsort(-counts, kind="stable").tolist():  # fullest nodes first, then node id
@@ -213,10 +216,13 @@ class RingPlacer:
 
         ``earliest`` is a start no choice can beat (the load-only one: the d-th smallest eligible
         load); a compact choice that meets it skips the search."""
-        choice = self.compact(d, eligible)
+        # one sorted view for the compact choice and the search on nodes (a ring that fits a
+        # node, all ranks eligible, needs none: :meth:`_compact_in_node`)
+        view = None if d <= self.width and eligible is None else self._view(eligible)
+        choice = self.compact(d, eligible) if view is None else self._compact_sorted(d, eligible, view=view)
         if choice is not None:
             if d > self.width and choice[0] > earliest:
-                other = self.on_nodes(d, self.topology.min_nodes(d), eligible)
+                other = self.on_nodes(d, self.topology.min_nodes(d), eligible, view=view)
                 if other is not None and other[0] < choice[0]:
                     return other
             return choice
@@ -224,7 +230,7 @@ class RingPlacer:
         reach = np.cumsum(np.sort(sizes)[::-1])
         if not len(reach) or reach[-1] < d:
             return None
-        return self.on_nodes(d, int(np.searchsorted(reach, d)) + 1, eligible)
+        return self.on_nodes(d, int(np.searchsorted(reach, d)) + 1, eligible, view=view)
 
     def _result(self, members: np.ndarray) -> tuple[float, tuple[int, ...]]:
         """``(start, ring)``: the ring starts when its last member is free."""

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from ..sharding import ShardingContext, Unit
+from ..wavefront import pipelines_alone
 from ._common import Placement, split_equal_work
 from .placement import RingPlacer
 
@@ -70,6 +71,22 @@ def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: 
                default=0.0)
 
 
+def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
+                pp_size: int) -> float:
+    """A lower bound on the 1F1B step of ``placements``, at least :func:`pipeline_floor`: the
+    slowest pipeline's 1F1B run alone (:func:`..wavefront.pipelines_alone`), its rings waiting
+    for no other member. The estimate runs the same ops with the rendezvous added, and each
+    op's start is a maximum over its predecessors, so adding predecessors never starts an op
+    earlier; its step time is at least its slowest pipeline's finish."""
+    by_seqs = {u.seqs: u for u in units}
+    times: list[list[float]] = [[] for _ in range(ctx.hdp_size)]
+    for p in placements:
+        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
+        for r in p.ring:
+            times[r].append(t)
+    return float(pipelines_alone(times, pp_size, ctx.cost_model.forward_fraction).max(initial=0.0))
+
+
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
                          pipeline_load: _PipelineLoad) -> list[Placement]:
     """Each ring (widest first) on ranks of one count group, on the fewest nodes: the group
@@ -77,7 +94,14 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     those that hold the ring on ``ceil(D / ranks_per_node)`` nodes (fewer micro-batches on a
     tie). Such a group always exists on a regular topology: the ranks of the previous (wider)
     ring form one. Only if none does (a node map with small nodes) does the ring take the fewest
-    nodes any group allows."""
+    nodes any group allows.
+
+    Groups are tried in the order of their lower bound ``(0, d-th smallest load, count)``, and
+    the search stops at the first whose bound is not below the best score so far: every choice
+    in a group spans at least the fewest nodes (extra nodes >= 0) and starts no earlier than the
+    group's d-th smallest load (it starts at its d members' latest load), so no score in that
+    group or a later one is lower. Scores differ in the count, so the minimum does not depend
+    on the order the groups are tried in."""
     load = placer.loads
     n = len(load)
     topo = placer.topology
@@ -87,14 +111,17 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
         d = u.ring_size
         best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
-        for c in sorted(groups):
-            if groups[c] < d:
-                continue
-            eligible = count == c
-            ranks = np.flatnonzero(eligible)
+        bounds = []  # (d-th smallest load, count, eligible ranks) of every group that holds d
+        for c, size in groups.items():
+            if size >= d:
+                ranks = np.flatnonzero(count == c)
+                bounds.append((float(np.partition(load[ranks], d - 1)[d - 1]), c, ranks))
+        for start, c, ranks in sorted(bounds, key=lambda b: b[:2]):
+            if best is not None and (0, start, c) >= best[0]:
+                break  # neither this group nor a later one can win: see the docstring
             least = ranks[np.lexsort((ranks, load[ranks]))[:d]]  # the d least loaded, ties by rank
+            eligible = count == c
             members = topo.node_contiguous(least.tolist())
-            start = float(load[least].max())
             if not placer.spans_min_nodes(members):
                 start, members = placer.fewest_nodes(d, eligible, earliest=start)
             score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)

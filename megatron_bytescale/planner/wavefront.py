@@ -1,0 +1,127 @@
+"""The 1F1B simulation of :mod:`.order`, vectorised over pipelines and stages.
+
+:func:`.order.simulate` times a PP plan as a dependency graph (Kahn's algorithm, one Python step
+per node and edge). The planner estimates every PP-Balance candidate that way, and on the
+Fig. 17 PP cells (a few hundred pipelines of 4-8 stages, tens of micro-batches each) that graph
+walk was most of the planning time. This module computes the same times in *wavefronts*.
+
+Give op F of local micro-batch i at stage s the key ``2 i + s`` and op B the key
+``2 i + 2 pp - 1 - s``. Every edge of the graph goes from a smaller key to a larger one:
+
+* F(i, s - 1) -> F(i, s) and B(i, s + 1) -> B(i, s): the key grows by one;
+* F(i, pp - 1) -> B(i, pp - 1): from ``2 i + pp - 1`` to ``2 i + pp``;
+* a stage's op sequence (:func:`.order.pipeline_ops`): warm-up forwards ``2 i + s`` ascending;
+  F(w + k) -> B(k) -> F(w + k + 1) in the steady state (``w = pp - 1 - s``:
+  ``2 k + 2 pp - 2 - s < 2 k + 2 pp - 1 - s < 2 k + 2 pp - s``); the cool-down backwards
+  ascending; with fewer micro-batches than the warm-up (``m <= w``) the last forward's key
+  ``2 m - 2 + s`` is below the first backward's ``2 pp - 1 - s``.
+
+None of this depends on the pipeline's micro-batch count, so the keys order every pipeline's
+graph at once, and a ring micro-batch, which sits at the same local index on all its members
+(D5), has the same key on all of them. Ops of one key are therefore independent and their
+predecessors all have smaller keys: processing key after key, each key as one ``numpy`` step over
+every (pipeline, stage), is a topological order. At a given key stage s runs an F when
+``key - s`` is even and a B when it is odd, and the cross-stage predecessor of every op is the
+op of the previous key on the neighbouring stage (F: stage s - 1; B: stage s + 1, or the same
+stage's F at the last stage).
+
+The times are the same floats as the graph walk's: a node starts at the largest finish of its
+predecessors (and 0), the members of a ring at the largest over all of them, and ends at start
+plus its weight (``t * forward_fraction`` or ``t * (1 - forward_fraction)``, the same products);
+maxima are exact and each finish is one addition, so the order of evaluation cannot change them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def simulate_wavefront(lists: Sequence[Sequence[int]], dur: Mapping[int, float], pp: int,
+                       forward_fraction: float) -> np.ndarray | None:
+    """Per pipeline (HDP rank), when its last op finishes; ``lists`` holds every rank's orders in
+    list order. None when a ring's micro-batch is not at one local index on all its members (the
+    keys would not order the graph; the caller walks the graph instead)."""
+    n = len(lists)
+    counts = np.fromiter((len(ol) for ol in lists), dtype=np.int64, count=n)
+    depth = int(counts.max()) if n else 0
+    if depth == 0:
+        return np.zeros(n)
+    flat = np.fromiter((o for ol in lists for o in ol), dtype=np.int64, count=int(counts.sum()))
+    local = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+    orders, index = np.unique(flat, return_inverse=True)
+    # D5: every order at one local index (all its slots have the index of its first slot)
+    first = np.empty(len(orders), dtype=np.int64)
+    first[index] = local
+    if not np.array_equal(first[index], local):
+        return None
+    holders = np.bincount(index, minlength=len(orders))
+    t = np.array([float(dur.get(o, 0.0)) for o in orders.tolist()] + [0.0])
+    pad = len(orders)  # a weightless order past every list's end
+    grid = np.full((n, depth), pad, dtype=np.int64)
+    grid[np.repeat(np.arange(n), counts), local] = index
+    return _run(grid, t, np.append(holders > 1, False)[grid], pp, forward_fraction)
+
+
+def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction: float) -> np.ndarray:
+    """Per pipeline, its 1F1B makespan run alone: ``times[r]`` are its micro-batches' stage
+    times in list order, and a ring micro-batch waits for nobody.
+
+    A lower bound on the pipeline's finish in :func:`simulate_wavefront` with the same times:
+    the graph is the same minus the rendezvous, so every op's set of predecessors shrinks and its
+    start (a maximum over them) can only come earlier."""
+    n = len(times)
+    counts = np.fromiter((len(ts) for ts in times), dtype=np.int64, count=n)
+    depth = int(counts.max()) if n else 0
+    if depth == 0:
+        return np.zeros(n)
+    flat = np.fromiter((x for ts in times for x in ts), dtype=float, count=int(counts.sum()))
+    pad = len(flat)
+    grid = np.full((n, depth), pad, dtype=np.int64)
+    local = np.arange(pad) - np.repeat(np.cumsum(counts) - counts, counts)
+    grid[np.repeat(np.arange(n), counts), local] = np.arange(pad)
+    return _run(grid, np.append(flat, 0.0), np.zeros((n, depth), dtype=bool), pp, forward_fraction)
+
+
+def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float) -> np.ndarray:
+    """The wavefronts (module docstring): ``grid[r, i]`` is the order index of pipeline r's
+    i-th micro-batch (``len(t) - 1``, a weightless pad, past its end), ``t`` the stage time of
+    every order index, ``ring_grid`` where a slot is a ring's."""
+    n, depth = grid.shape
+    pad = len(t) - 1
+    weight = np.stack([t * forward_fraction, t * (1.0 - forward_fraction)])  # [phase, order]
+    stages = np.arange(pp)
+    last = np.zeros((n, pp))  # finish of each stage's latest op
+    prev = np.zeros((n, pp))  # finish of the ops of the previous key
+    # cross-stage predecessor column of an F (stage s - 1) and of a B (s + 1; the F at pp - 1);
+    # an F at stage 0 has none and reads its own stage's op of the previous key, which its
+    # stage's latest finish (``last``) already bounds
+    f_dep = np.maximum(stages - 1, 0)
+    b_dep = np.minimum(stages + 1, pp - 1)
+    buf = np.zeros((pad + 1) * pp)  # per (order, stage): its ring's start; zero between uses
+    for key in range(2 * depth + 2 * pp - 2):
+        forward = (key - stages) % 2 == 0
+        i = np.where(forward, (key - stages) // 2, (key - 2 * pp + 1 + stages) // 2)
+        live_stage = (i >= 0) & (i < depth)
+        if not live_stage.any():
+            continue
+        s_idx = stages[live_stage]
+        i_s = i[live_stage]
+        fwd = forward[live_stage]
+        col = np.where(fwd, f_dep[s_idx], b_dep[s_idx])
+        start = np.maximum(last[:, s_idx], prev[:, col])
+        ords = grid[:, i_s]  # (n, live stages)
+        live = ords != pad
+        rings = ring_grid[:, i_s] & live
+        if rings.any():  # a ring starts when its last member may: the max over members
+            slot = ords[rings] * pp + np.broadcast_to(s_idx, ords.shape)[rings]
+            np.maximum.at(buf, slot, start[rings])
+            start[rings] = buf[slot]
+            buf[slot] = 0.0
+        phase = np.where(fwd, 0, 1)
+        finish = start + weight[phase[None, :], ords]
+        prev = np.zeros((n, pp))
+        prev[:, s_idx] = np.where(live, finish, 0.0)
+        last[:, s_idx] = np.where(live, finish, last[:, s_idx])
+    return last.max(axis=1)

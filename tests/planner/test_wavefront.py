@@ -1,0 +1,116 @@
+"""The vectorised 1F1B simulation (:mod:`megatron_bytescale.planner.wavefront`) gives the graph
+walk's times bit for bit, and declines plans whose rings are not at one local index."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from megatron_bytescale.planner.order import _simulate_pipelines
+from megatron_bytescale.planner.wavefront import pipelines_alone, simulate_wavefront
+
+
+def _random_lists(rng: random.Random) -> tuple[list[list[int]], dict[int, float], int]:
+    """Pipelines with single micro-batches and rings at one local index on all members (a ring's
+    members are first padded with singles to the same count), durations of mixed scales and
+    zeros, orders ascending on every pipeline."""
+    n, pp = rng.randint(1, 7), rng.randint(1, 6)
+    lists: list[list[int]] = [[] for _ in range(n)]
+    dur: dict[int, float] = {}
+    order = 0
+    for _ in range(rng.randint(0, 14)):
+        if n > 1 and rng.random() < 0.35:
+            members = rng.sample(range(n), rng.randint(2, n))
+            depth = max(len(lists[r]) for r in members)
+            for r in members:
+                while len(lists[r]) < depth:
+                    lists[r].append(order)
+                    dur[order] = rng.choice([0.0, rng.random()])
+                    order += 1
+            for r in members:
+                lists[r].append(order)
+        else:
+            lists[rng.randrange(n)].append(order)
+        dur[order] = rng.random() * rng.choice([1.0, 1e-3, 100.0])
+        order += 1
+    return lists, dur, pp
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_same_floats_as_the_graph_walk(seed):
+    rng = random.Random(seed)
+    rings = 0
+    for _ in range(500):
+        lists, dur, pp = _random_lists(rng)
+        ff = rng.choice([1 / 3, 0.25, 0.5])
+        got = simulate_wavefront(lists, dur, pp, ff)
+        want = _simulate_pipelines(lists, dur, pp, ff, len(lists), False).rank_finish_s
+        assert got is not None and np.array_equal(got, want), (lists, pp)
+        rings += len({o for ol in lists for o in ol}) < sum(len(ol) for ol in lists)
+    assert rings > 100  # rings were exercised
+
+
+def test_a_ring_at_two_local_indices_is_left_to_the_graph_walk():
+    # order 5 is the second micro-batch of rank 0 and the first of rank 1
+    assert simulate_wavefront([[1, 5], [5, 6]], {1: 1.0, 5: 2.0, 6: 1.0}, 2, 1 / 3) is None
+
+
+def test_empty_pipelines_finish_at_zero():
+    assert np.array_equal(simulate_wavefront([[], [3]], {3: 1.5}, 3, 0.5),
+                          _simulate_pipelines([[], [3]], {3: 1.5}, 3, 0.5, 2, False).rank_finish_s)
+    assert np.array_equal(simulate_wavefront([[], []], {}, 2, 0.5), np.zeros(2))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_pipeline_alone_finishes_no_later_and_without_rings_the_same(seed):
+    rng = random.Random(100 + seed)
+    below = 0
+    for _ in range(400):
+        lists, dur, pp = _random_lists(rng)
+        alone = pipelines_alone([[dur[o] for o in ol] for ol in lists], pp, 1 / 3)
+        full = simulate_wavefront(lists, dur, pp, 1 / 3)
+        assert np.all(alone <= full)
+        if len({o for ol in lists for o in ol}) == sum(len(ol) for ol in lists):
+            assert np.array_equal(alone, full)  # no ring: nothing to wait for
+        below += bool(np.any(alone < full))
+    assert below > 20  # rings made some pipelines wait
+
+
+def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estimate(monkeypatch):
+    """Every PP candidate balance ranks: pipeline_floor <= alone_floor <= the full estimate."""
+    import megatron_bytescale.planner.schedulers.balance as balance_mod
+    from megatron_bytescale.data.synthetic import synthetic_lengths
+    from megatron_bytescale.planner.estimate import estimate_plan
+    from megatron_bytescale.planner.schedulers import make_plan
+    from megatron_bytescale.planner.schedulers._common import emit_plan
+    from megatron_bytescale.planner.schedulers.pp_balance import alone_floor, pipeline_floor
+    from planner_cases import small_cost_model
+
+    seen = []
+
+    def checking(placements, units, ctx, pp_size):
+        floor = alone_floor(placements, units, ctx, pp_size)
+        request = checking.request
+        plan = emit_plan(request, placements, scheduler="balance")
+        step = estimate_plan(plan, ctx.cost_model).step_time_s
+        assert pipeline_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
+        assert floor <= step * (1 + 1e-12)
+        seen.append(floor < step)
+        return floor
+
+    real = balance_mod._best_pp_plan
+
+    def capture(request, options, meta):
+        checking.request = request
+        return real(request, options, meta)
+
+    monkeypatch.setattr(balance_mod, "alone_floor", checking)
+    monkeypatch.setattr(balance_mod, "_best_pp_plan", capture)
+    for ds in ("github", "byted"):
+        for pp, hdp in ((2, 8), (4, 8)):
+            lengths = synthetic_lengths(ds, 120_000, seed=0, max_length=16_384)
+            make_plan(lengths, scheduler="balance", hdp_size=hdp, capacity=2_048, cost_model=small_cost_model(),
+                      pp_size=pp, context_length=16_384)
+    assert len(seen) > 20 and any(seen)
