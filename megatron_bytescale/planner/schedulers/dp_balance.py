@@ -8,8 +8,6 @@ import heapq
 import math
 from typing import Sequence
 
-import numpy as np
-
 from ..sharding import ShardingContext, Unit
 from ._common import Placement, placement
 from .placement import RingPlacer
@@ -17,15 +15,17 @@ from .placement import RingPlacer
 def makespan(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext, n: int) -> float:
     """Finish time of ``placements`` run in order, rings starting when all members are free."""
     by_seqs = {u.seqs: u for u in units}
-    free = np.zeros(n)
+    free = [0.0] * n  # Python floats: the same sums as a numpy array, without a numpy call per unit
     for p in placements:
         u = by_seqs[p.seqs]
-        if len(p.ring) == 1:
-            free[p.ring[0]] += u.time
+        ring = p.ring
+        if len(ring) == 1:
+            free[ring[0]] += u.time
         else:
-            idx = list(p.ring)
-            free[idx] = free[idx].max() + ctx.placed_time(u, p.ring)
-    return float(free.max()) if n else 0.0
+            end = max([free[r] for r in ring]) + ctx.placed_time(u, ring)
+            for r in ring:
+                free[r] = end
+    return max(free) if n else 0.0
 
 
 def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[list[Placement], float]:
