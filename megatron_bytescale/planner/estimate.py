@@ -249,7 +249,7 @@ def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
     """
     members = costs.holders
     barriers = sorted(set(int(b) for b in plan.meta.get("barrier_after_orders", []) or []))
-    free = [0.0] * plan.hdp_size  # Python floats: the same sums as numpy's, without a numpy call per micro-batch
+    free = [0.0] * plan.hdp_size  # Python floats: numpy's sums without a numpy call per micro-batch
     latest = released = 0.0  # the latest end so far; when the last barrier passed lets ranks go
     bi = 0
     for o, t in zip(costs.orders.tolist(), costs.seconds.tolist()):

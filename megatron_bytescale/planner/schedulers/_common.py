@@ -314,7 +314,10 @@ class FastPlanBuilder(PlanBuilder):
                     a = pos * chunk
                     lower = _piece(s, a, min(a + chunk, length))
                     k = last - pos
-                    pieces = (lower, _piece(s, k * chunk, min(k * chunk + chunk, length))) if k < used else (lower,)
+                    if k < used:
+                        pieces = (lower, _piece(s, k * chunk, min(k * chunk + chunk, length)))
+                    else:
+                        pieces = (lower,)
                 else:
                     pieces = ()
                 per_rank[rank].append(_micro_batch(order, ring_t, offload_ratio, seqs_t, pieces))
