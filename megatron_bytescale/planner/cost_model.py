@@ -320,12 +320,17 @@ class CostModel:
     # ------------------------------------------------------------------ per layer
     def layer_time(self, s: Any) -> Any:
         """T(s): seconds of one layer, forward + backward, of a sequence of s tokens on one rank."""
+        if type(s) is int or type(s) is float:  # scalar fast path: the same float operations as numpy's
+            s = float(s)
+            return float(self.alpha1 * s * s + self.beta1 * s + self.gamma)
         s = np.asarray(s, dtype=np.float64)
         out = self.alpha1 * s * s + self.beta1 * s + self.gamma
         return float(out) if out.ndim == 0 else out
 
     def activation_bytes(self, s: Any) -> Any:
         """Act(s): bytes one layer keeps for backward for s tokens on one rank."""
+        if type(s) is int or type(s) is float:  # scalar fast path (planning calls it per sequence)
+            return float(self.alpha2 * float(s) + self.beta2)
         s = np.asarray(s, dtype=np.float64)
         out = self.alpha2 * s + self.beta2
         return float(out) if out.ndim == 0 else out

@@ -89,13 +89,15 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     lengths = plan.sequence_lengths()
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     holders: dict[int, list[int]] = {}  # the ranks that hold each micro-batch (its ring in a valid plan)
+    get = holders.get
     for rp in plan.ranks:
         rank = rp.rank
         for mb in rp.micro_batches:
-            held = holders.get(mb.order)
+            order = mb.order
+            held = get(order)
             if held is None:
-                seen[mb.order] = (mb.ring, mb.seqs, mb.offload_ratio)
-                holders[mb.order] = [rank]
+                seen[order] = (mb.ring, mb.seqs, mb.offload_ratio)
+                holders[order] = [rank]
             else:
                 held.append(rank)
     orders = np.array(sorted(seen), dtype=np.int64)
@@ -115,6 +117,7 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     rings = []
     two_level = cost_model.two_level_ring
     sizes, ratios = [], []
+    length_of = lengths.__getitem__
     for k, o in enumerate(orders.tolist()):
         ring, seqs, r = seen[o]
         d = len(ring)
@@ -127,9 +130,14 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
             if two_level:
                 groups[k] = topo.two_level_group(ring)
         m = len(seqs)
-        owner.extend([k] * m)
-        seq_len.extend([lengths[s] for s in seqs])
-        seq_ring.extend([d] * m)
+        if m == 1:
+            owner.append(k)
+            seq_len.append(length_of(seqs[0]))
+            seq_ring.append(d)
+        else:
+            owner.extend([k] * m)
+            seq_len.extend(map(length_of, seqs))
+            seq_ring.extend([d] * m)
     ring_sizes[:] = sizes
     offload[:] = ratios
     s = np.asarray(seq_len, dtype=np.int64)
@@ -241,7 +249,7 @@ def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
     """
     members = costs.holders
     barriers = sorted(set(int(b) for b in plan.meta.get("barrier_after_orders", []) or []))
-    free = np.zeros(plan.hdp_size)
+    free = [0.0] * plan.hdp_size  # Python floats: numpy's sums without a numpy call per micro-batch
     latest = released = 0.0  # the latest end so far; when the last barrier passed lets ranks go
     bi = 0
     for o, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
@@ -250,14 +258,16 @@ def _sequential_finish(plan: StepPlan, costs: MicroBatchCosts) -> np.ndarray:
             bi += 1
         ranks = members[o]
         if len(ranks) == 1:
-            end = max(free[ranks[0]], released) + t
-            free[ranks[0]] = end
+            r = ranks[0]
+            end = max(free[r], released) + t
+            free[r] = end
         else:
-            idx = np.asarray(ranks)
-            end = max(float(free[idx].max()), released) + t
-            free[idx] = end
-        latest = max(latest, end)
-    return free
+            end = max(max([free[r] for r in ranks]), released) + t
+            for r in ranks:
+                free[r] = end
+        if end > latest:
+            latest = end
+    return np.array(free, dtype=np.float64)
 
 
 def estimate_plan(plan: StepPlan, cost_model: CostModel, topology: Topology | None = None) -> Estimate:

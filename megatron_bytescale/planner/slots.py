@@ -90,6 +90,20 @@ def _with_defaults(cls: type, fields: tuple[str, ...],
                    rest: tuple[tuple[Callable[[Any, Any], None], Any], ...]) -> Callable[..., Any]:
     new = object.__new__
     setters = tuple(getattr(cls, f).__set__ for f in fields)
+    if len(fields) == 5 and len(rest) == 1:  # MicroBatch (chunk defaults): one per member of every ring
+        s0, s1, s2, s3, s4 = setters
+        (r0, v0), = rest
+
+        def make5d(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
+            obj = new(cls)
+            s0(obj, a)
+            s1(obj, b)
+            s2(obj, c)
+            s3(obj, d)
+            s4(obj, e)
+            r0(obj, v0)
+            return obj
+        return make5d
 
     def make(*values: Any) -> Any:
         if len(values) != len(setters):

@@ -179,8 +179,13 @@ class Topology:
         d = len(ring)
         if d <= 1:
             return 0
-        nodes = [self.node(r) for r in ring]
-        return sum(1 for i in range(d) if nodes[i] != nodes[(i + 1) % d])
+        if self.node_of is None:
+            g = self.ranks_per_node
+            nodes = [r // g for r in ring]
+        else:
+            node_of = self.node_of
+            nodes = [node_of[r] for r in ring]
+        return sum(1 for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a != b)
 
     def node_contiguous(self, members: Sequence[int]) -> tuple[int, ...]:
         """``members`` ordered node by node (nodes by id, ranks by id inside a node), so the

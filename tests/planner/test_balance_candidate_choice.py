@@ -124,7 +124,8 @@ def test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes(pp, mon
         return estimate
 
     monkeypatch.setattr(balance_mod, "estimate_plan", fill_wins)
-    monkeypatch.setattr(balance_mod, "makespan", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(balance_mod, "makespan_below",
+                        lambda steps, *args, **kwargs: ([p for s in steps for p in s], 0.0))
     monkeypatch.setattr(balance_mod, "alone_floor", lambda *args, **kwargs: 0.0)
     monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
     plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=CAPACITY, cost_model=_cost_model(False),

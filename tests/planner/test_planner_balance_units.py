@@ -180,3 +180,29 @@ def test_makespan_starts_a_ring_when_all_its_members_are_free():
     assert makespan(placements, [a, r, b], ctx(2), 2) == pytest.approx(1.0)
     assert makespan(placements[:2], [a, r], ctx(3), 3) == pytest.approx(0.8)
     assert makespan([], [], ctx(2), 2) == 0.0
+
+
+def test_the_fill_is_dropped_once_a_rank_reaches_the_best_step_and_not_before():
+    """``makespan_below`` feeds balance's fill candidate step by step: the steps of the case
+    above (the single on rank 1, then the ring, then the single on rank 0; finish 1.0 s) with a
+    limit of the exact makespan give None, and no step is made after the one that reached it
+    (the ring ends at 0.8 s: a limit of 0.8 stops in the second step); a limit just above the
+    makespan gives it, with every placement in order."""
+    from megatron_bytescale.planner.schedulers.dp_balance import makespan, makespan_below
+    from megatron_bytescale.planner.schedulers._common import placement
+
+    a, r, b = unit(0, 300), unit(1, 1000, ring=2), unit(2, 200)
+    steps = [[placement((1,), a.seqs, 0.0)], [placement((0, 1), r.seqs, 0.0)], [placement((0,), b.seqs, 0.0)]]
+    full = makespan([p for s in steps for p in s], [a, r, b], ctx(2), 2)
+    made = []
+
+    def lazy():
+        for step in steps:
+            made.append(len(step))
+            yield step
+
+    assert makespan_below(lazy(), [a, r, b], ctx(2), 2, full) is None and len(made) == 3
+    made.clear()
+    assert makespan_below(lazy(), [a, r, b], ctx(2), 2, 0.8) is None and len(made) == 2
+    got = makespan_below(steps, [a, r, b], ctx(2), 2, full * (1 + 1e-12))
+    assert got == ([p for s in steps for p in s], full)

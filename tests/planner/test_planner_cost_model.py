@@ -219,3 +219,22 @@ def test_bad_cost_model_fields_are_rejected():
         small_cost_model(p2p_bandwidth_inter=0.0)
     with pytest.raises(ValueError, match="forward_fraction"):
         small_cost_model(forward_fraction=1.5)
+
+
+def test_scalar_layer_time_and_activation_bytes_equal_the_array_path_bit_for_bit():
+    """The planner calls T(s) and Act(s) once per long sequence with a Python int; that scalar
+    path skips numpy but must give the very float the array path does (plans are compared by
+    content hash), also for float lengths and numpy-float coefficients (a fitted model)."""
+    rng = np.random.default_rng(0)
+    lengths = [1, 7, 8_192, 262_143, 2**21 + 1] + rng.integers(1, 2**22, size=200).tolist()
+    fitted = preset_cost_model("llama-7b").with_(alpha1=np.float64(1.2345678e-11), beta1=np.float64(3.3e-7),
+                                                 gamma=np.float64(1.1e-4), alpha2=np.float64(12345.678))
+    for cm in (preset_cost_model("llama-7b"), small_cost_model(), fitted):
+        array_t = cm.layer_time(np.asarray(lengths)).tolist()
+        array_a = cm.activation_bytes(np.asarray(lengths)).tolist()
+        for s, t, a in zip(lengths, array_t, array_a):
+            for x in (s, float(s) + 0.5):
+                assert cm.layer_time(x) == cm.layer_time(np.asarray(x))
+                assert cm.activation_bytes(x) == cm.activation_bytes(np.asarray(x))
+                assert type(cm.layer_time(x)) is float and type(cm.activation_bytes(x)) is float
+            assert (cm.layer_time(s), cm.activation_bytes(s)) == (t, a)

@@ -303,6 +303,25 @@ class FastPlanBuilder(PlanBuilder):
             self.per_rank[ring_t[0]].append(_micro_batch(order, ring_t, offload_ratio, seqs_t, pieces))
             return order
         last = 2 * n - 1
+        if len(seqs_t) == 1:  # a long sequence on its own ring (the common case): no per-member lists
+            s = seqs_t[0]
+            length = self.lengths[s]
+            chunk = zigzag_chunk(length, n, self.align)
+            used = min(2 * n, -(-length // chunk))  # parts 0 .. used - 1 hold real tokens
+            per_rank = self.per_rank
+            for pos, rank in enumerate(ring_t):
+                if pos < used:  # parts pos and last - pos (> pos: unused if pos is)
+                    a = pos * chunk
+                    lower = _piece(s, a, min(a + chunk, length))
+                    k = last - pos
+                    if k < used:
+                        pieces = (lower, _piece(s, k * chunk, min(k * chunk + chunk, length)))
+                    else:
+                        pieces = (lower,)
+                else:
+                    pieces = ()
+                per_rank[rank].append(_micro_batch(order, ring_t, offload_ratio, seqs_t, pieces))
+            return order
         pieces_of: list[list[Piece]] = [[] for _ in range(n)]
         for s in seqs_t:
             length = self.lengths[s]

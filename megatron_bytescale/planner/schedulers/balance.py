@@ -87,9 +87,9 @@ from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit
 from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit_sort_key, unit_work_key
-from .dp_balance import dp_balance, makespan
+from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
-from .naive import fill_steps, fill_steps_aligned
+from .naive import fill_step_iter, fill_steps_aligned
 from .pp_balance import alone_floor, pipeline_floor, pp_balance, short_first
 from .pp_steps import level_steps
 from .selective import unit_options
@@ -183,9 +183,13 @@ def _best_dp_assignment(
         return candidates[0][1], "lpt", widened, candidates[0][2]
     if widened:
         candidates.append(("lpt-eq3", *dp_balance(sorted(eq3_units, key=unit_work_key), ctx, n), 0))
-    fill = fill_steps(n, [u for u in eq3_units if u.ring_size > 1], deque(u for u in eq3_units if u.ring_size == 1),
-                      ctx.nodes)[0]
-    candidates.append(("fill", fill, makespan(fill, eq3_units, ctx, n), 0))
+    # the fill is made step by step and dropped once a rank finishes no earlier than the best so
+    # far (it can then no longer win: ties go to the earlier candidate)
+    fill = makespan_below(fill_step_iter(n, [u for u in eq3_units if u.ring_size > 1],
+                                         deque(u for u in eq3_units if u.ring_size == 1), ctx.nodes),
+                          eq3_units, ctx, n, min(c[2] for c in candidates))
+    if fill is not None:
+        candidates.append(("fill", *fill, 0))
     name, placements, step, grown = min(candidates, key=lambda c: c[2])
     return placements, name, grown, step
 

@@ -18,6 +18,7 @@ large, and later steps never split it.
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterator
 
 from ..plan import StepPlan
 from ..sharding import Unit, shard_batch
@@ -47,25 +48,35 @@ def fill_steps(n: int, rings: list[Unit], singles: deque[Unit],
     """Alg. 1 line 10 without PP: time steps; rings first fit (in id order) on free ranks of the
     fewest nodes (:meth:`.placement.FreeRanks.take`; all ranks one node apart without a
     ``topology``), then packs on the remaining free ranks, lowest first."""
-    topology = topology or Topology(ranks_per_node=1)
     placements: list[Placement] = []
     steps = 0
-    while rings or singles:
+    for step in fill_step_iter(n, rings, singles, topology):
         steps += 1
+        placements += step
+    return placements, steps
+
+
+def fill_step_iter(n: int, rings: list[Unit], singles: deque[Unit],
+                   topology: Topology | None = None) -> Iterator[list[Placement]]:
+    """:func:`fill_steps` one time step at a time (the placements of each step), so that a
+    caller can stop once the fill is known to lose (balance's safety net)."""
+    topology = topology or Topology(ranks_per_node=1)
+    while rings or singles:
+        step: list[Placement] = []
         free, waiting = FreeRanks(range(n), topology), []
         for u in rings:
             ring = free.take(u.ring_size, fallback=free.count == n)
             if ring is None:
                 waiting.append(u)
                 continue
-            placements.append(placement(tuple(ring), u.seqs, u.offload_ratio))
+            step.append(placement(tuple(ring), u.seqs, u.offload_ratio))
         rings = waiting
         for r in free.remaining():
             if not singles:
                 break
             u = singles.popleft()
-            placements.append(placement((r,), u.seqs, u.offload_ratio))
-    return placements, steps
+            step.append(placement((r,), u.seqs, u.offload_ratio))
+        yield step
 
 
 def fill_steps_aligned(n: int, rings: list[Unit], singles: deque[Unit],
