@@ -28,21 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
-from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
 from megatron_bytescale.planner.presets import preset_cost_model  # noqa: E402
 from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
 from megatron_bytescale.planner.topology import Topology  # noqa: E402
-
-
-def _toy_cost_model(**changes) -> CostModel:
-    """The toy model of tests/planner/planner_cases.py (4 ranks per node, slow network)."""
-    values = dict(
-        name="toy", num_layers=8, alpha1=1e-9, beta1=1e-6, gamma=1e-5, alpha2=1000.0, beta2=0.0,
-        d2h_bandwidth=1e8, h2d_bandwidth=1e8, kv_bytes_per_token=64.0, dkv_bytes_per_token=128.0,
-        p2p_bandwidth_intra=1e9, p2p_bandwidth_inter=1e8, p2p_latency_s=1e-6, ranks_per_node=4,
-    )
-    values.update(changes)
-    return CostModel(**values)
+from tests.planner.planner_cases import small_cost_model as _toy_cost_model  # noqa: E402
 
 
 def _irregular(hdp: int) -> Topology:
