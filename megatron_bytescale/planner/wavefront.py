@@ -87,41 +87,67 @@ def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction:
 def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float) -> np.ndarray:
     """The wavefronts (module docstring): ``grid[r, i]`` is the order index of pipeline r's
     i-th micro-batch (``len(t) - 1``, a weightless pad, past its end), ``t`` the stage time of
-    every order index, ``ring_grid`` where a slot is a ring's."""
+    every order index, ``ring_grid`` where a slot is a ring's.
+
+    Pipelines are sorted by micro-batch count (most first), so those that still have a
+    micro-batch at index i are a prefix, and a key only touches the prefix its stages can reach:
+    balance plans give a few pipelines far more (short) micro-batches than the rest, and the
+    full grid is mostly pads. Sorting permutes pipelines only (a ring's start is a maximum over
+    its members wherever they sit). Arrays are stage-major (``[stage, pipeline]``,
+    ``[micro-batch, phase, pipeline]``), so a key's work is row gathers of slices."""
     n, depth = grid.shape
     pad = len(t) - 1
+    counts = (grid != pad).sum(axis=1)
+    by_count = np.argsort(-counts, kind="stable")
+    g = np.ascontiguousarray(grid[by_count].T)  # [micro-batch, pipeline]
+    # reach[i]: the pipelines with more than i micro-batches, a prefix of the sorted order
+    reach = np.searchsorted(-counts[by_count], -np.arange(depth), side="left")
     weight = np.stack([t * forward_fraction, t * (1.0 - forward_fraction)])  # [phase, order]
+    w = np.ascontiguousarray(weight[:, g].transpose(1, 0, 2))  # [micro-batch, phase, pipeline]
+    live_grid = g != pad
+    ring_t = np.ascontiguousarray(ring_grid[by_count].T) & live_grid
+    any_ring = bool(ring_t.any())
     stages = np.arange(pp)
-    last = np.zeros((n, pp))  # finish of each stage's latest op
-    prev = np.zeros((n, pp))  # finish of the ops of the previous key
-    # cross-stage predecessor column of an F (stage s - 1) and of a B (s + 1; the F at pp - 1);
-    # an F at stage 0 has none and reads its own stage's op of the previous key, which its
-    # stage's latest finish (``last``) already bounds
-    f_dep = np.maximum(stages - 1, 0)
-    b_dep = np.minimum(stages + 1, pp - 1)
+    # per key (row) and stage (column), worked out at once: F or B, its micro-batch index, whether
+    # the stage runs an op, and its cross-stage predecessor row: an F reads stage s - 1, a B
+    # stage s + 1 (the F at pp - 1); an F at stage 0 has none and reads its own stage's op of
+    # the previous key, which its stage's latest finish (``last``) already bounds
+    keys = np.arange(2 * depth + 2 * pp - 2)[:, None]
+    forward = (keys - stages) % 2 == 0
+    index = np.where(forward, (keys - stages) // 2, (keys - 2 * pp + 1 + stages) // 2)
+    runs = (index >= 0) & (index < depth)
+    lowest = np.where(runs, index, depth).min(axis=1)
+    # the pipelines after the first ``width`` are past their end at every stage that runs
+    width = np.where(lowest < depth, reach[np.minimum(lowest, depth - 1)], 0).tolist()
+    index = np.clip(index, 0, depth - 1)
+    column = np.where(forward, np.maximum(stages - 1, 0), np.minimum(stages + 1, pp - 1))
+    phase = np.where(forward, 0, 1)
+    stage_runs = runs[:, :, None]
+    last = np.zeros((pp, n))  # finish of each stage's latest op
+    prev = np.zeros((pp, n))  # finish of the ops of the previous key
     buf = np.zeros((pad + 1) * pp)  # per (order, stage): its ring's start; zero between uses
-    for key in range(2 * depth + 2 * pp - 2):
-        forward = (key - stages) % 2 == 0
-        i = np.where(forward, (key - stages) // 2, (key - 2 * pp + 1 + stages) // 2)
-        live_stage = (i >= 0) & (i < depth)
-        if not live_stage.any():
+    stage_col = np.broadcast_to(stages[:, None], (pp, n))
+    for key, m in enumerate(width):
+        if not runs[key].any():
             continue
-        s_idx = stages[live_stage]
-        i_s = i[live_stage]
-        fwd = forward[live_stage]
-        col = np.where(fwd, f_dep[s_idx], b_dep[s_idx])
-        start = np.maximum(last[:, s_idx], prev[:, col])
-        ords = grid[:, i_s]  # (n, live stages)
-        live = ords != pad
-        rings = ring_grid[:, i_s] & live
-        if rings.any():  # a ring starts when its last member may: the max over members
-            slot = ords[rings] * pp + np.broadcast_to(s_idx, ords.shape)[rings]
-            np.maximum.at(buf, slot, start[rings])
-            start[rings] = buf[slot]
-            buf[slot] = 0.0
-        phase = np.where(fwd, 0, 1)
-        finish = start + weight[phase[None, :], ords]
-        prev = np.zeros((n, pp))
-        prev[:, s_idx] = np.where(live, finish, 0.0)
-        last[:, s_idx] = np.where(live, finish, last[:, s_idx])
-    return last.max(axis=1)
+        if not m:
+            prev = np.zeros((pp, n))
+            continue
+        ik = index[key]
+        old = last[:, :m]
+        start = np.maximum(old, prev[column[key], :m])  # [stage, pipeline]
+        live = live_grid[ik, :m] & stage_runs[key]
+        if any_ring:
+            rings = ring_t[ik, :m] & live
+            if rings.any():  # a ring starts when its last member may: the max over members
+                slot = g[ik, :m][rings] * pp + stage_col[:, :m][rings]
+                np.maximum.at(buf, slot, start[rings])
+                start[rings] = buf[slot]
+                buf[slot] = 0.0
+        finish = start + w[ik, phase[key], :m]
+        prev = np.zeros((pp, n))
+        np.copyto(prev[:, :m], finish, where=live)
+        np.copyto(old, finish, where=live)
+    out = np.empty(n)
+    out[by_count] = last.max(axis=0)
+    return out

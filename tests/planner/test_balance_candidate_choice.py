@@ -3,7 +3,7 @@
 `balance` plans several candidates (per unit set of selective offload: DP-Balance's LPT and fill;
 with PP the level steps, PP-Balance's runs, the aligned fill, each also short-first) and keeps
 the fastest by the estimate, ties to the earlier one. To save estimates it skips a unit set or
-a candidate whose lower bound (`_units_floor`, `alone_floor`) is already slower than the best
+a candidate whose lower bound (`_units_floor`, `alone_floors`) is already slower than the best
 so far. That skip is only an optimisation: here every plan is compared with the plan made with
 both floors at zero (nothing skipped), on seeded batches where the floors are in force (no node
 map, flat rings, the network slower than a node's links) and where they are not. A floor
@@ -55,7 +55,7 @@ def _key(plan):
 def test_skipping_by_the_floors_never_changes_the_plan(case, monkeypatch):
     planned = _key(_plan(case))
     monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
-    monkeypatch.setattr(balance_mod, "alone_floor", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
     assert planned == _key(_plan(case))
 
 
@@ -79,7 +79,7 @@ def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
         with_floors = calls["n"]
         with monkeypatch.context() as floors_off:
             floors_off.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
-            floors_off.setattr(balance_mod, "alone_floor", lambda *args, **kwargs: 0.0)
+            floors_off.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
             calls["n"] = 0
             _plan(case)
             without = calls["n"]
@@ -126,7 +126,7 @@ def test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes(pp, mon
     monkeypatch.setattr(balance_mod, "estimate_plan", fill_wins)
     monkeypatch.setattr(balance_mod, "makespan_below",
                         lambda steps, *args, **kwargs: ([p for s in steps for p in s], 0.0))
-    monkeypatch.setattr(balance_mod, "alone_floor", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
     monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
     plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=CAPACITY, cost_model=_cost_model(False),
                      pp_size=pp, offload=False, context_length=LONGEST, estimate=False)
@@ -184,7 +184,7 @@ def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name
         return replace(estimate, step_time_s=0.0) if plan.meta.get("assignment") == name else estimate
 
     monkeypatch.setattr(balance_mod, "estimate_plan", wins)
-    monkeypatch.setattr(balance_mod, "alone_floor", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
     monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
     plan = make_plan(lengths, scheduler="balance", estimate=False, **kw)
     assert plan.meta["assignment"] == name

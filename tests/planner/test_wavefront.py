@@ -79,26 +79,29 @@ def test_a_pipeline_alone_finishes_no_later_and_without_rings_the_same(seed):
 
 
 def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estimate(monkeypatch):
-    """Every PP candidate balance ranks: pipeline_floor <= alone_floor <= the full estimate."""
+    """Every PP candidate balance ranks: pipeline_floor <= alone_floor <= the full estimate, and the
+    floors balance computes together equal each computed alone."""
     import megatron_bytescale.planner.schedulers.balance as balance_mod
     from megatron_bytescale.data.synthetic import synthetic_lengths
     from megatron_bytescale.planner.estimate import estimate_plan
     from megatron_bytescale.planner.schedulers import make_plan
     from megatron_bytescale.planner.schedulers._common import emit_plan
-    from megatron_bytescale.planner.schedulers.pp_balance import alone_floor, pipeline_floor
+    from megatron_bytescale.planner.schedulers.pp_balance import alone_floor, alone_floors, pipeline_floor
     from planner_cases import small_cost_model
 
     seen = []
 
-    def checking(placements, units, ctx, pp_size):
-        floor = alone_floor(placements, units, ctx, pp_size)
+    def checking(candidates, ctx, pp_size):
+        floors = alone_floors(candidates, ctx, pp_size)
         request = checking.request
-        plan = emit_plan(request, placements, scheduler="balance")
-        step = estimate_plan(plan, ctx.cost_model).step_time_s
-        assert pipeline_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
-        assert floor <= step * (1 + 1e-12)
-        seen.append(floor < step)
-        return floor
+        for (placements, units), floor in zip(candidates, floors):
+            assert floor == alone_floor(placements, units, ctx, pp_size)  # batched as alone
+            plan = emit_plan(request, placements, scheduler="balance")
+            step = estimate_plan(plan, ctx.cost_model).step_time_s
+            assert pipeline_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
+            assert floor <= step * (1 + 1e-12)
+            seen.append(floor < step)
+        return floors
 
     real = balance_mod._best_pp_plan
 
@@ -106,7 +109,7 @@ def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estim
         checking.request = request
         return real(request, options, meta)
 
-    monkeypatch.setattr(balance_mod, "alone_floor", checking)
+    monkeypatch.setattr(balance_mod, "alone_floors", checking)
     monkeypatch.setattr(balance_mod, "_best_pp_plan", capture)
     for ds in ("github", "byted"):
         for pp, hdp in ((2, 8), (4, 8)):

@@ -90,7 +90,7 @@ from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
-from .pp_balance import alone_floor, pipeline_floor, pp_balance, short_first
+from .pp_balance import alone_floors, pipeline_floor, pp_balance, short_first
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
@@ -202,7 +202,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     widening trades fewer bubbles for more communication and the estimate decides).
 
     Unit sets go in the order of :func:`_plan_balance`, a set's candidates in the order of their
-    1F1B floor (:func:`.pp_balance.alone_floor`); a set or a candidate whose floor is
+    1F1B floor (:func:`.pp_balance.alone_floors`); a set or a candidate whose floor is
     already slower than the best step is skipped. Ties go to the earlier candidate (the earlier
     set of :func:`.selective.unit_options`, then the list order), so skipping never changes
     the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
@@ -237,9 +237,10 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             if moved is not None:
                 candidates.append((name + "+short-first", moved, grown, units_of))
             candidates.append((name, placements, grown, units_of))
+        floors = alone_floors([(c[1], c[3]) for c in candidates], ctx, request.pp_size)
         ranked = []
-        for name, placements, grown, units_of in candidates:
-            ranked.append((alone_floor(placements, units_of, ctx, request.pp_size), count, name, placements, grown))
+        for floor, (name, placements, grown, units_of) in zip(floors, candidates):
+            ranked.append((floor, count, name, placements, grown))
             count += 1
         for floor, index, name, placements, grown in sorted(ranked, key=lambda c: (c[0], c[1])):
             # a candidate whose 1F1B floor is already slower than the best cannot win: skip its

@@ -78,13 +78,36 @@ def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: Sha
     for no other member. The estimate runs the same ops with the rendezvous added, and each
     op's start is a maximum over its predecessors, so adding predecessors never starts an op
     earlier; its step time is at least its slowest pipeline's finish."""
-    by_seqs = {u.seqs: u for u in units}
-    times: list[list[float]] = [[] for _ in range(ctx.hdp_size)]
-    for p in placements:
-        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
-        for r in p.ring:
-            times[r].append(t)
-    return float(pipelines_alone(times, pp_size, ctx.cost_model.forward_fraction).max(initial=0.0))
+    return alone_floors([(placements, units)], ctx, pp_size)[0]
+
+
+def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]], ctx: ShardingContext,
+                 pp_size: int) -> list[float]:
+    """:func:`alone_floor` of every ``(placements, units)`` candidate, in one wavefront run over
+    all their pipelines side by side (pipelines run alone do not interact, so each candidate's
+    maximum is its own; the wavefront's cost is per key, not per pipeline). A placement shared by
+    candidates (short-first reorders the same objects) is timed once."""
+    n = ctx.hdp_size
+    times: list[list[float]] = [[] for _ in range(n * len(candidates))]
+    seen: dict[tuple[int, int], float] = {}
+    for k, (placements, units) in enumerate(candidates):
+        by_seqs = {u.seqs: u for u in units}
+        base = k * n
+        for p in placements:
+            key = (id(p), id(units))
+            t = seen.get(key)
+            if t is None:
+                u = by_seqs[p.seqs]
+                ring = p.ring
+                # a single-rank unit on its own rank runs at the time it was costed with
+                t = u.time if len(ring) == 1 == u.ring_size else ctx.placed_time(u, ring)
+                seen[key] = t
+            for r in p.ring:
+                times[base + r].append(t)
+    if not candidates:
+        return []
+    alone = pipelines_alone(times, pp_size, ctx.cost_model.forward_fraction).reshape(len(candidates), n)
+    return [float(x) for x in alone.max(axis=1, initial=0.0)]
 
 
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
