@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -86,7 +86,6 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     (``topology``: see :meth:`.Topology.for_plan`)."""
     topo = Topology.for_plan(plan, cost_model, topology)
     topo.check_size(plan.hdp_size)
-    lengths = plan.sequence_lengths()
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     holders: dict[int, list[int]] = {}  # the ranks that hold each micro-batch (its ring in a valid plan)
     get = holders.get
@@ -100,6 +99,16 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
                 holders[order] = [rank]
             else:
                 held.append(rank)
+    return costs_of(seen, holders, plan.sequence_lengths(), cost_model, topo, align=plan.align,
+                    layers_per_stage=plan.layers_per_stage, pp_size=plan.pp_size)
+
+
+def costs_of(seen: Mapping[int, tuple[tuple[int, ...], tuple[int, ...], float]], holders: dict[int, list[int]],
+             lengths: Mapping[int, int], cost_model: CostModel, topo: Topology, *, align: int,
+             layers_per_stage: int, pp_size: int) -> MicroBatchCosts:
+    """:func:`micro_batch_costs` from the micro-batches themselves: ``seen`` maps each order to
+    its ``(ring, seqs, offload_ratio)``, ``holders`` to the ranks whose lists hold it. The
+    schedulers time candidates they have not built into a plan with it (same floats)."""
     orders = np.array(sorted(seen), dtype=np.int64)
     n = len(orders)
     if n == 0:
@@ -144,17 +153,17 @@ def micro_batch_costs(plan: StepPlan, cost_model: CostModel, topology: Topology 
     d = np.asarray(seq_ring, dtype=np.int64)
     parts = 2 * d
     chunk = -(-s // parts)
-    chunk = -(-chunk // plan.align) * plan.align
+    chunk = -(-chunk // align) * align
     padded = np.where(d == 1, s, chunk * parts).astype(np.float64)
     owner_arr = np.asarray(owner, dtype=np.int64)
     sum_p = np.bincount(owner_arr, weights=padded, minlength=n)
     sum_p2 = np.bincount(owner_arr, weights=padded * padded, minlength=n)
     num_docs = np.bincount(owner_arr, minlength=n).astype(np.float64)
     seconds = np.atleast_1d(cost_model.ring_time_from_sums(
-        sum_p, sum_p2, ring_sizes, layers=plan.layers_per_stage, offload_ratio=offload, intra_node=intra,
+        sum_p, sum_p2, ring_sizes, layers=layers_per_stage, offload_ratio=offload, intra_node=intra,
         node_group=groups, num_docs=num_docs,
     ))
-    all_layers = plan.layers_per_stage * plan.pp_size
+    all_layers = layers_per_stage * pp_size
     p2p = all_layers * (ring_sizes - 1) * cost_model.ring_bytes_per_token * sum_p
     inter = p2p * links / ring_sizes  # every link of the cycle carries 1/D of the bytes
     two = groups > 1  # two-level rings: all-to-all inside nodes, a ring of D / G between them

@@ -87,6 +87,7 @@ from ..estimate import estimate_plan
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit
 from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit_sort_key, unit_work_key
+from .candidate_time import finish_times as candidate_finish_times, times_without_plan
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
@@ -210,12 +211,16 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     the cost model it was estimated with."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
-    best: tuple[float, tuple[int, int], StepPlan, CostModel] | None = None
+    best: tuple[float, tuple[int, int], StepPlan | None, tuple] | None = None
     count = 0
+    quick = times_without_plan(request)
     for units_floor, set_index, choice, ctx, base, units, widened in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
             continue
         def finish_times(placements: list, ctx: ShardingContext = ctx) -> np.ndarray:
+            finish = candidate_finish_times(request, placements, ctx.cost_model) if quick else None
+            if finish is not None:
+                return finish
             plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
             return np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
 
@@ -247,14 +252,26 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             # plan and full estimate (the margin covers rounding between the two time sums)
             if best is not None and floor > best[0] * (1 + 1e-9):
                 continue
-            plan = emit_plan(request, placements, scheduler=NAME,
-                             meta={**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
-                                   "offload_choice": choice})
-            plan = replace(plan, estimate=estimate_plan(plan, ctx.cost_model))
+            build = (placements, {**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
+                                  "offload_choice": choice}, ctx.cost_model)
+            finish = candidate_finish_times(request, placements, ctx.cost_model) if quick else None
+            if finish is not None:  # timed as its plan would be; only the winner is built
+                key = (float(finish.max()), (set_index, index))
+                if best is None or key < best[:2]:
+                    best = (*key, None, build)
+                continue
+            plan = _estimated(request, *build)
             if request.ep_size > 1 and request.even_expert_slots and request.pp_size == 1:
                 # cheap at PP 1, and a candidate whose groups wait may win once evened
                 plan = even_expert_slots(plan, request, ctx.cost_model, NAME)
             key = (plan.estimate.step_time_s, (set_index, index))
             if best is None or key < best[:2]:
-                best = (*key, plan, ctx.cost_model)
-    return best[2], best[3]
+                best = (*key, plan, build)
+    plan, (_, _, cost_model) = best[2], best[3]
+    return (plan if plan is not None else _estimated(request, *best[3])), cost_model
+
+
+def _estimated(request: PlanRequest, placements: list, meta: dict, cost_model: CostModel) -> StepPlan:
+    """The plan of a PP candidate with its estimate."""
+    plan = emit_plan(request, placements, scheduler=NAME, meta=meta)
+    return replace(plan, estimate=estimate_plan(plan, cost_model))

@@ -1,0 +1,54 @@
+"""Timing a PP candidate without building its plan.
+
+``balance`` times about a dozen candidate assignments per step with the full 1F1B estimate
+and keeps one. Building each into a :class:`~..plan.StepPlan` first (one ``MicroBatch`` per
+ring member, tens of thousands per candidate) cost as much as timing it, and all but the winner
+are thrown away. :func:`finish_times` reads the placements directly: orders are numbered in
+placement order as :func:`._common.emit_plan` numbers them, each micro-batch is costed by
+:func:`..estimate.costs_of` (the code :func:`..estimate.micro_batch_costs` runs on a built plan)
+and the pipelines are timed by :func:`..wavefront.simulate_wavefront` (what
+:func:`..order.simulate` runs for such a plan). So it returns the same floats as
+``estimate_plan(emit_plan(request, placements), cost_model).rank_time_s``, which the tests check
+on seeded batches.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..cost_model import CostModel
+from ..estimate import costs_of
+from ..topology import Topology
+from ..wavefront import simulate_wavefront
+from ._common import Placement, PlanRequest
+
+
+def times_without_plan(request: PlanRequest) -> bool:
+    """Whether :func:`finish_times` times ``request``'s candidates: plain 1F1B (PP > 1, one
+    virtual stage, no barriers) without expert groups in lockstep, which the estimate times
+    another way."""
+    return request.pp_size > 1 and request.ep_size == 1 and not request.meta.get("barrier_after_orders")
+
+
+def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel) -> np.ndarray | None:
+    """Per HDP rank, when its pipeline finishes under the estimate, for a request where
+    :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
+    on all its members (build the plan and estimate it instead)."""
+    n = request.hdp_size
+    topo = Topology.of(request.cost_model, request.topology)
+    topo.check_size(n)
+    lists: list[list[int]] = [[] for _ in range(n)]
+    seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
+    holders: dict[int, list[int]] = {}
+    for order, p in enumerate(placements):
+        ring = tuple(map(int, p.ring))
+        seen[order] = (ring, tuple(map(int, p.seqs)), p.offload_ratio)
+        holders[order] = list(ring)
+        for r in ring:
+            lists[r].append(order)
+    costs = costs_of(seen, holders, dict(zip(request.ids, request.lengths)), cost_model, topo,
+                     align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
+    durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+    return simulate_wavefront(lists, durations, request.pp_size, cost_model.forward_fraction)
