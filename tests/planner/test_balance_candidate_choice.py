@@ -64,13 +64,16 @@ def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
     skipped = 0
     names = set()
     calls = {"n": 0}
-    real = balance_mod.estimate_plan
 
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
+    def counting(real):
+        def count(*args, **kwargs):
+            calls["n"] += 1
+            return real(*args, **kwargs)
+        return count
 
-    monkeypatch.setattr(balance_mod, "estimate_plan", counting)
+    # candidates are estimated from their plan (PP 1) or timed without one (PP > 1)
+    monkeypatch.setattr(balance_mod, "estimate_plan", counting(balance_mod.estimate_plan))
+    monkeypatch.setattr(balance_mod, "candidate_finish_times", counting(balance_mod.candidate_finish_times))
     for case in CASES:
         if case[6] is not None or case[7]:
             continue  # floors in force only without a node map and with flat rings
@@ -124,6 +127,7 @@ def test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes(pp, mon
         return estimate
 
     monkeypatch.setattr(balance_mod, "estimate_plan", fill_wins)
+    monkeypatch.setattr(balance_mod, "times_without_plan", lambda request: False)  # every candidate estimated
     monkeypatch.setattr(balance_mod, "makespan_below",
                         lambda steps, *args, **kwargs: ([p for s in steps for p in s], 0.0))
     monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
@@ -184,6 +188,7 @@ def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name
         return replace(estimate, step_time_s=0.0) if plan.meta.get("assignment") == name else estimate
 
     monkeypatch.setattr(balance_mod, "estimate_plan", wins)
+    monkeypatch.setattr(balance_mod, "times_without_plan", lambda request: False)  # every candidate estimated
     monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
     monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
     plan = make_plan(lengths, scheduler="balance", estimate=False, **kw)
