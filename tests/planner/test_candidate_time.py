@@ -25,8 +25,8 @@ from planner_cases import small_cost_model
 def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, monkeypatch):
     checked = {"n": 0, "offloaded": 0, "rings": 0}
 
-    def checking(request, placements, cost_model):
-        got = finish_times(request, placements, cost_model)
+    def checking(request, placements, cost_model, seconds=None):
+        got = finish_times(request, placements, cost_model, seconds)  # with balance's cache of stage times
         plan = emit_plan(replace(request, pieces=False), placements, scheduler="balance")
         want = np.asarray(estimate_plan(plan, cost_model).rank_time_s)
         assert got is not None and np.array_equal(got, want)
@@ -63,6 +63,35 @@ def test_balance_keeps_the_same_plan_when_every_candidate_is_built(pp, hdp, two_
     quick = plan()
     monkeypatch.setattr(balance_mod, "times_without_plan", lambda request: False)
     assert quick == plan()
+
+
+def test_stage_times_kept_for_the_placements_of_another_candidate():
+    """The cache of stage times by placement: a reordered candidate made of the same placements,
+    a new candidate of new placements with the same contents, and a new cost model's plans (its
+    own cache) all match their full estimates."""
+    from megatron_bytescale.planner.schedulers._common import build_request
+    from megatron_bytescale.planner.schedulers.pp_balance import pp_balance, short_first
+    from megatron_bytescale.planner.schedulers.selective import unit_options
+
+    lengths = synthetic_lengths("byted", 100_000, seed=3, max_length=16_384)
+    request = build_request(lengths, scheduler="balance", hdp_size=8, capacity=2_048, pp_size=4, align=8,
+                            cost_model=small_cost_model(), offload=True, overlong="error", context_length=16_384,
+                            delta=0.05, num_buckets=4)
+    request = balance_mod.apply_hdp_overlong(request)
+    for _, ctx, base in unit_options(request):
+        units = sorted(base, key=balance_mod.unit_sort_key)
+        placements = pp_balance(units, ctx, 8, delta=0.05, num_buckets=4, fill_drain=3)
+        moved = short_first(placements, units)
+        again = [replace(p) for p in placements]  # equal contents, new objects
+        seconds: dict = {}
+        for candidate in (placements, moved, again, placements):
+            if candidate is None:
+                continue
+            plan = emit_plan(replace(request, pieces=False), candidate, scheduler="balance")
+            want = np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
+            got = finish_times(request, candidate, ctx.cost_model, seconds)
+            assert got is None or np.array_equal(got, want)
+        assert {id(p) for p in placements} <= seconds.keys()
 
 
 def test_candidates_with_expert_groups_or_one_stage_are_estimated_from_their_plan():

@@ -217,8 +217,10 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     for units_floor, set_index, choice, ctx, base, units, widened in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
             continue
-        def finish_times(placements: list, ctx: ShardingContext = ctx) -> np.ndarray:
-            finish = candidate_finish_times(request, placements, ctx.cost_model) if quick else None
+        seconds: dict = {}  # placement stage times of this unit set's candidates (one cost model)
+
+        def finish_times(placements: list, ctx: ShardingContext = ctx, seconds: dict = seconds) -> np.ndarray:
+            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds) if quick else None
             if finish is not None:
                 return finish
             plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
@@ -254,7 +256,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
                 continue
             build = (placements, {**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
                                   "offload_choice": choice}, ctx.cost_model)
-            finish = candidate_finish_times(request, placements, ctx.cost_model) if quick else None
+            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds) if quick else None
             if finish is not None:  # timed as its plan would be; only the winner is built
                 key = (float(finish.max()), (set_index, index))
                 if best is None or key < best[:2]:

@@ -32,23 +32,39 @@ def times_without_plan(request: PlanRequest) -> bool:
     return request.pp_size > 1 and request.ep_size == 1 and not request.meta.get("barrier_after_orders")
 
 
-def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel) -> np.ndarray | None:
+def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel,
+                 seconds: dict[int, tuple[Placement, float]] | None = None) -> np.ndarray | None:
     """Per HDP rank, when its pipeline finishes under the estimate, for a request where
     :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
-    on all its members (build the plan and estimate it instead)."""
+    on all its members (build the plan and estimate it instead).
+
+    ``seconds`` (optional, filled in) holds each placement's stage time by ``id``, with the
+    placement itself so the id cannot be reused: candidates share placements (each is also
+    tried with a short micro-batch moved first), and a micro-batch's time does not depend on
+    the others costed with it (the cost model's array arithmetic is elementwise). Use one per
+    cost model."""
     n = request.hdp_size
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
+    cache = {} if seconds is None else seconds
     lists: list[list[int]] = [[] for _ in range(n)]
+    durations: dict[int, float] = {}
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     holders: dict[int, list[int]] = {}
     for order, p in enumerate(placements):
-        ring = tuple(map(int, p.ring))
-        seen[order] = (ring, tuple(map(int, p.seqs)), p.offload_ratio)
-        holders[order] = list(ring)
-        for r in ring:
+        for r in p.ring:
             lists[r].append(order)
-    costs = costs_of(seen, holders, dict(zip(request.ids, request.lengths)), cost_model, topo,
-                     align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
-    durations = dict(zip(costs.orders.tolist(), costs.seconds.tolist()))
+        known = cache.get(id(p))
+        if known is not None and known[0] is p:
+            durations[order] = known[1]
+        else:
+            ring = tuple(map(int, p.ring))
+            seen[order] = (ring, tuple(map(int, p.seqs)), p.offload_ratio)
+            holders[order] = list(ring)
+    if seen:
+        costs = costs_of(seen, holders, dict(zip(request.ids, request.lengths)), cost_model, topo,
+                         align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
+        for order, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
+            durations[order] = t
+            cache[id(placements[order])] = (placements[order], t)
     return simulate_wavefront(lists, durations, request.pp_size, cost_model.forward_fraction)
