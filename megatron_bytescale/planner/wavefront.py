@@ -73,15 +73,27 @@ def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction:
     start (a maximum over them) can only come earlier."""
     n = len(times)
     counts = np.fromiter((len(ts) for ts in times), dtype=np.int64, count=n)
+    flat = np.fromiter((x for ts in times for x in ts), dtype=float, count=int(counts.sum()))
+    return pipelines_alone_flat(np.repeat(np.arange(n), counts), flat, n, pp, forward_fraction)
+
+
+def pipelines_alone_flat(pipeline: np.ndarray, times: np.ndarray, n: int, pp: int,
+                         forward_fraction: float) -> np.ndarray:
+    """:func:`pipelines_alone` with every micro-batch as an entry of two flat arrays: the
+    pipeline (0 .. n - 1) whose list holds it and its stage time, each pipeline's entries in
+    list order (entries of different pipelines may interleave)."""
+    pipeline = np.asarray(pipeline, dtype=np.int64)
+    counts = np.bincount(pipeline, minlength=n)
     depth = int(counts.max()) if n else 0
     if depth == 0:
         return np.zeros(n)
-    flat = np.fromiter((x for ts in times for x in ts), dtype=float, count=int(counts.sum()))
-    pad = len(flat)
+    by_pipeline = np.argsort(pipeline, kind="stable")  # list order kept within a pipeline
+    pad = len(by_pipeline)
     grid = np.full((n, depth), pad, dtype=np.int64)
     local = np.arange(pad) - np.repeat(np.cumsum(counts) - counts, counts)
-    grid[np.repeat(np.arange(n), counts), local] = np.arange(pad)
-    return _run(grid, np.append(flat, 0.0), np.zeros((n, depth), dtype=bool), pp, forward_fraction)
+    grid[pipeline[by_pipeline], local] = np.arange(pad)
+    t = np.append(np.asarray(times, dtype=float)[by_pipeline], 0.0)
+    return _run(grid, t, np.zeros((n, depth), dtype=bool), pp, forward_fraction)
 
 
 def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from ..sharding import ShardingContext, Unit
-from ..wavefront import pipelines_alone
+from ..wavefront import pipelines_alone_flat
 from ._common import Placement, split_equal_work
 from .placement import RingPlacer
 
@@ -87,27 +87,35 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
     all their pipelines side by side (pipelines run alone do not interact, so each candidate's
     maximum is its own; the wavefront's cost is per key, not per pipeline). A placement shared by
     candidates (short-first reorders the same objects) is timed once."""
-    n = ctx.hdp_size
-    times: list[list[float]] = [[] for _ in range(n * len(candidates))]
-    seen: dict[tuple[int, int], float] = {}
-    for k, (placements, units) in enumerate(candidates):
-        by_seqs = {u.seqs: u for u in units}
-        base = k * n
-        for p in placements:
-            key = (id(p), id(units))
-            t = seen.get(key)
-            if t is None:
-                u = by_seqs[p.seqs]
-                ring = p.ring
-                # a single-rank unit on its own rank runs at the time it was costed with
-                t = u.time if len(ring) == 1 == u.ring_size else ctx.placed_time(u, ring)
-                seen[key] = t
-            for r in p.ring:
-                times[base + r].append(t)
     if not candidates:
         return []
-    alone = pipelines_alone(times, pp_size, ctx.cost_model.forward_fraction).reshape(len(candidates), n)
-    return [float(x) for x in alone.max(axis=1, initial=0.0)]
+    n = ctx.hdp_size
+    timed: dict[int, tuple[Placement, Sequence[Unit], float]] = {}  # by id, with the objects (no id reuse)
+    pipelines, times, sizes = [], [], []
+    for k, (placements, units) in enumerate(candidates):
+        by_seqs = None
+        ts = []
+        for p in placements:
+            known = timed.get(id(p))
+            if known is not None and known[0] is p and known[1] is units:
+                ts.append(known[2])
+                continue
+            if by_seqs is None:
+                by_seqs = {u.seqs: u for u in units}
+            u = by_seqs[p.seqs]
+            # a single-rank unit on its own rank runs at the time it was costed with
+            t = u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring)
+            timed[id(p)] = (p, units, t)
+            ts.append(t)
+        base = k * n
+        pipelines.append([base + r for p in placements for r in p.ring])
+        times.append(ts)
+        sizes.append([len(p.ring) for p in placements])
+    flat_t = np.repeat(np.fromiter((t for ts in times for t in ts), dtype=float),
+                       np.fromiter((d for ds in sizes for d in ds), dtype=np.int64))
+    flat_r = np.fromiter((r for rs in pipelines for r in rs), dtype=np.int64, count=len(flat_t))
+    alone = pipelines_alone_flat(flat_r, flat_t, n * len(candidates), pp_size, ctx.cost_model.forward_fraction)
+    return [float(x) for x in alone.reshape(len(candidates), n).max(axis=1, initial=0.0)]
 
 
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
