@@ -661,10 +661,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*.balance.x_*", r"if request\.ep_size > 1 and request\.even_expert_slots and request\.pp_size (==|>) 1:  ->  if request\.ep_size >= 1 ",
      "even_expert_slots returns a plan without expert groups (ep_size 1) unchanged"),
     # planner/schedulers/pp_balance.py
-    ("*pp_balance.x__place_rings_aligned__*", r"count = np\.zeros\(n, dtype=np\.int64\)  ->  count = np\.zeros\(n, (dtype=None)?\)",
-     "float counts work the same: compared with ==, read with int() and stepped by 1, all exact far "
-     "below 2^53"),
-    ("*pp_balance.x__place_rings_aligned__*", r"fewest_nodes\(d, eligible, earliest=start\)  ->  .*fewest_nodes\(d, eligible, \)",
+    ("*pp_balance.x__place_rings_aligned__*", r"fewest_nodes_ranked\(d, ranked, earliest=start\)  ->  .*fewest_nodes_ranked\(d, ranked, \)",
      "earliest (the load-only start, which no choice on fewer nodes can beat) only lets the search "
      "stop early: the same choice, found later"),
     ("*pp_balance.x__place_rings_aligned__*", r"topo\.ring_nodes\(members\) - topo\.min_nodes\(d\), start, c\)  ->  .*topo\.ring_nodes\(members\) \+ topo\.min_nodes\(d\)",

@@ -248,3 +248,30 @@ def test_compact_in_a_node_reads_each_nodes_dth_smallest_load():
     for r, v in enumerate([5, 4, 3, 2, 1, 0, 2.5, 2.5, 2.5, 9, 9, 9]):
         p.set_load(r, float(v))
     assert p.compact(3) == (2.0, (3, 4, 5))
+
+
+# --------------------------------------------------------------------------- from a sorted rank list
+@pytest.mark.parametrize("case", range(len(TOPOLOGIES) + 1))
+def test_choices_from_a_sorted_rank_list_match_the_masked_view(case):
+    """PP-Balance asks ``fewest_nodes_ranked`` with a count group's ``(load, rank)`` list; it
+    must choose exactly what ``fewest_nodes`` chooses with that group as the eligible mask (and
+    its compact choice and search on nodes what ``compact`` and ``on_nodes`` do), on tied loads,
+    interleaved and short nodes, and groups of every density."""
+    topo = TOPOLOGIES[case] if case < len(TOPOLOGIES) else Topology(ranks_per_node=2)
+    n = len(topo.node_of) if topo.node_of is not None else 24
+    rng = np.random.default_rng(100 + case)
+    for trial in range(10):
+        loads = rng.integers(0, 3 if trial % 2 else 6, size=n).tolist()
+        p = _placer_one_by_one(topo, loads)
+        for density in (1.0, 0.75, 0.4):
+            eligible = rng.random(n) < density
+            ranked = sorted((float(loads[r]), r) for r in range(n) if eligible[r])
+            for d in range(1, len(ranked) + 1):
+                assert p._compact_ranked(d, ranked) == p.compact(d, eligible), (trial, density, d)
+                for k in (1, 2, 3):
+                    assert p._on_nodes_ranked(d, k, ranked) == p.on_nodes(d, k, eligible), (trial, density, d, k)
+                dth = ranked[d - 1][0]
+                for earliest in (-np.inf, dth, dth + 1):
+                    got = p.fewest_nodes_ranked(d, ranked, earliest=earliest)
+                    assert got == p.fewest_nodes(d, eligible, earliest=earliest), (trial, density, d, earliest)
+            assert p.fewest_nodes_ranked(len(ranked) + 1, ranked) is None

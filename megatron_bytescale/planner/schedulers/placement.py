@@ -29,6 +29,9 @@ of the estimated step on the standard batches (docs/benchmarks.md, "topology").
 
 Costs: one ``numpy`` sort of the ``nodes x ranks_per_node`` load matrix per ring that the
 load-only choice would not already put on its fewest nodes (about 40 us at 16,384 ranks).
+PP-Balance, which asks for several count groups per ring, gives each group as its ranks sorted
+by load (:meth:`RingPlacer.fewest_nodes_ranked`): a walk from the least-loaded rank that stops
+where the answer is known, the same choices without a masked view per ask.
 Deterministic: ties go to the lower node id, then the lower rank.
 """
 
@@ -74,6 +77,12 @@ class RingPlacer:
         self._dirty: set[int] = set()
         # rank r on node r // width, every node full: the loads reshape into the node matrix
         self._regular = topology.node_of is None and hdp_size % self.width == 0 and self.width == topology.ranks_per_node
+        # for the choices from a sorted rank list (:meth:`fewest_nodes_ranked`): each node's
+        # ranks, and whether node rows grow with the rank (then, among ranks of equal load, a
+        # lower rank is on a lower or the same node)
+        self._row_sizes = counts.tolist()
+        self._row_ranks = [idx[k, :c].tolist() for k, c in enumerate(self._row_sizes)]
+        self._monotone = bool(np.all(np.diff(nodes) >= 0))
 
     # ------------------------------------------------------------------ loads
     def set_loads(self, ranks: Sequence[int], value: float) -> None:
@@ -231,6 +240,139 @@ class RingPlacer:
         if not len(reach) or reach[-1] < d:
             return None
         return self.on_nodes(d, int(np.searchsorted(reach, d)) + 1, eligible, view=view)
+
+    # ------------------------------------------------------------------ from a sorted rank list
+    def fewest_nodes_ranked(self, d: int, ranked: Sequence[tuple[float, int]], *,
+                            earliest: float = -math.inf) -> tuple[float, tuple[int, ...]] | None:
+        """:meth:`fewest_nodes` with the eligible ranks given as ``(load, rank)`` pairs, sorted,
+        each load the rank's current one: the same choice, without a masked view of every node.
+
+        PP-Balance keeps each count group's ranks in such a list (it moves only ring members,
+        one group up) and asks this for a group several times per ring. Rebuilding and sorting
+        the masked ``nodes x ranks_per_node`` view per ask was most of its placement time; the
+        choices here walk the list from its least-loaded rank and stop where the answer is
+        known, which is near the front for the groups that can win."""
+        choice = self._compact_ranked(d, ranked)
+        if choice is not None:
+            if d > self.width and choice[0] > earliest:
+                other = self._on_nodes_ranked(d, self.topology.min_nodes(d), ranked)
+                if other is not None and other[0] < choice[0]:
+                    return other
+            return choice
+        per_node: dict[int, int] = {}
+        row_of = self._row_of
+        for _, r in ranked:
+            k = row_of[r]
+            per_node[k] = per_node.get(k, 0) + 1
+        total = 0
+        for num_nodes, held in enumerate(sorted(per_node.values(), reverse=True), start=1):
+            total += held
+            if total >= d:  # the fewest nodes (fullest first) that hold the ring
+                return self._on_nodes_ranked(d, num_nodes, ranked)
+        return None
+
+    def _first_node_ranked(self, d: int, ranked: Sequence[tuple[float, int]],
+                           skip: set[int] | frozenset[int] = frozenset()) -> tuple[float, int, list[int]] | None:
+        """``(d-th smallest load, row, its d ranks)`` of the node (row) whose d-th smallest
+        listed load is least, ties to the lower row, rows in ``skip`` left out; None if no node
+        lists d ranks. Column ``d - 1`` of the masked sorted view, by walking ``ranked``."""
+        row_of, monotone = self._row_of, self._monotone
+        seen: dict[int, list[int]] = {}
+        best: tuple[float, int, list[int]] | None = None
+        for load, r in ranked:
+            if best is not None and load > best[0]:
+                break  # every later node reaches d at a larger load
+            k = row_of[r]
+            if k in skip:
+                continue
+            got = seen.get(k)
+            if got is None:
+                seen[k] = got = []
+            got.append(r)
+            if len(got) == d and (best is None or k < best[1]):
+                best = (load, k, got[:])
+                if monotone:
+                    break  # among equal loads the list runs by rank, so by row: no lower row follows
+        return best
+
+    def _compact_ranked(self, d: int, ranked: Sequence[tuple[float, int]]) -> tuple[float, tuple[int, ...]] | None:
+        """:meth:`_compact_sorted` of the listed ranks (see :meth:`fewest_nodes_ranked`)."""
+        g = self.width
+        if d <= g:
+            first = self._first_node_ranked(d, ranked)
+            return None if first is None else (first[0], self.topology.node_contiguous(first[2]))
+        whole, rest = divmod(d, g)
+        row_of, monotone = self._row_of, self._monotone
+        seen: dict[int, int] = {}
+        # (largest load, row) of the nodes whose every rank is listed, of full width: a node holds
+        # at most g ranks, so only a node of g ranks, all listed, counts g
+        done: list[tuple[float, int]] = []
+        limit = math.inf
+        for load, r in ranked:
+            if load > limit:
+                break  # every later node completes at a larger load
+            k = row_of[r]
+            c = seen.get(k, 0) + 1
+            seen[k] = c
+            if c == g:
+                done.append((load, k))
+                if len(done) == whole:
+                    if monotone:
+                        break  # equal loads complete in row order: the first ones are the least
+                    limit = load  # others completing at this load may be lower rows
+        if len(done) < whole:
+            return None
+        done.sort()  # (load, row): the order of the stable sort of the nodes' largest loads
+        picks = done[:whole]
+        members = [r for _, k in picks for r in self._row_ranks[k]]
+        start = picks[-1][0]
+        if rest:
+            first = self._first_node_ranked(rest, ranked, {k for _, k in picks})
+            if first is None:
+                return None
+            members += first[2]
+            start = max(start, first[0])
+        return start, self.topology.node_contiguous(members)
+
+    def _on_nodes_ranked(self, d: int, num_nodes: int,
+                         ranked: Sequence[tuple[float, int]]) -> tuple[float, tuple[int, ...]] | None:
+        """:meth:`on_nodes` of the listed ranks (see :meth:`fewest_nodes_ranked`): add the ranks
+        one load at a time until the ``num_nodes`` fullest nodes hold ``d``.
+
+        ``held`` is what :meth:`on_nodes` sums, kept as ranks come: ``at_least[v]`` nodes have
+        ``v`` or more ranks free by the current load, and the fullest ``k`` nodes hold the sum
+        over v of ``min(at_least[v], k)``, so a node's v-th rank adds one while fewer than k
+        nodes had v. :meth:`on_nodes` tries only loads in the first ``min(d, width)`` columns;
+        trying every load finds the same first fit: a load further right is a node's (d+1)-th
+        rank or later, and once a node holds d ranks the sum is already at least d."""
+        k_nodes = min(num_nodes, len(self._row_sizes))
+        row_of = self._row_of
+        taken: dict[int, list[tuple[float, int]]] = {}  # row -> its listed ranks so far, in order
+        at_least = [0] * (self.width + 1)
+        held, i, n = 0, 0, len(ranked)
+        while i < n:
+            s = ranked[i][0]
+            while i < n and ranked[i][0] == s:  # every rank free by s
+                k = row_of[ranked[i][1]]
+                got = taken.get(k)
+                if got is None:
+                    taken[k] = got = []
+                got.append(ranked[i])
+                v = len(got)
+                if at_least[v] < k_nodes:
+                    held += 1
+                at_least[v] += 1
+                i += 1
+            if held >= d:
+                break
+        else:
+            return None
+        chosen: list[tuple[float, int]] = []
+        for k in sorted(taken, key=lambda k: (-len(taken[k]), k)):  # fullest nodes first, then node id
+            if len(chosen) >= d:
+                break
+            chosen += taken[k][:d - len(chosen)]
+        return max(load for load, _ in chosen), self.topology.node_contiguous([r for _, r in chosen])
 
     def _result(self, members: np.ndarray) -> tuple[float, tuple[int, ...]]:
         """``(start, ring)``: the ring starts when its last member is free."""

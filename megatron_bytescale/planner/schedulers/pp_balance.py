@@ -3,6 +3,7 @@ single-rank units, and the 1F1B floor that lets ``balance`` skip hopeless candid
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Sequence
 
@@ -132,29 +133,33 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     in a group spans at least the fewest nodes (extra nodes >= 0) and starts no earlier than the
     group's d-th smallest load (it starts at its d members' latest load), so no score in that
     group or a later one is lower. Scores differ in the count, so the minimum does not depend
-    on the order the groups are tried in."""
+    on the order the groups are tried in.
+
+    Each group is kept as its ranks' ``(load, rank)`` pairs, sorted, so a group's bound and its d
+    least-loaded ranks are read off the front of its list, and the fewest-nodes choice walks the
+    list (:meth:`.placement.RingPlacer.fewest_nodes_ranked`, the same choice as ``fewest_nodes``
+    with the group as the eligible mask) instead of sorting a masked view of every node."""
     load = placer.loads
     n = len(load)
     topo = placer.topology
-    groups: dict[int, int] = {0: n}  # count -> ranks that have run that many micro-batches
-    count = np.zeros(n, dtype=np.int64)
+    # count -> the ranks that have run that many micro-batches, as (load, rank) pairs sorted: the
+    # group's d-th smallest load is entry d - 1 and its d least-loaded ranks (ties by rank) the
+    # first d. Only ring members change load here, and each moves one group up.
+    groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load.tolist(), range(n)))}
+    count = [0] * n
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
         d = u.ring_size
         best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
-        bounds = []  # (d-th smallest load, count, eligible ranks) of every group that holds d
-        for c, size in groups.items():
-            if size >= d:
-                ranks = np.flatnonzero(count == c)
-                bounds.append((float(np.partition(load[ranks], d - 1)[d - 1]), c, ranks))
-        for start, c, ranks in sorted(bounds, key=lambda b: b[:2]):
+        # (d-th smallest load, count) of every group that holds d
+        bounds = sorted((ranked[d - 1][0], c) for c, ranked in groups.items() if len(ranked) >= d)
+        for start, c in bounds:
             if best is not None and (0, start, c) >= best[0]:
                 break  # neither this group nor a later one can win: see the docstring
-            least = ranks[np.lexsort((ranks, load[ranks]))[:d]]  # the d least loaded, ties by rank
-            eligible = count == c
-            members = topo.node_contiguous(least.tolist())
+            ranked = groups[c]
+            members = topo.node_contiguous([r for _, r in ranked[:d]])
             if not placer.spans_min_nodes(members):
-                start, members = placer.fewest_nodes(d, eligible, earliest=start)
+                start, members = placer.fewest_nodes_ranked(d, ranked, earliest=start)
             score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
             if best is None or score < best[0]:
                 best = (score, members)
@@ -163,13 +168,14 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
         ring = best[1]
         t = ctx.placed_time(u, ring)
         for r in ring:
-            c = int(count[r])
-            groups[c] -= 1
-            if not groups[c]:
+            c = count[r]
+            ranked = groups[c]
+            del ranked[bisect.bisect_left(ranked, (float(load[r]), r))]
+            if not ranked:
                 del groups[c]
-            count[r] = c + 1
-            groups[c + 1] = groups.get(c + 1, 0) + 1
             pipeline_load.add(r, t)
+            count[r] = c + 1
+            bisect.insort(groups.setdefault(c + 1, []), (float(load[r]), r))
         placer.touch(ring)
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
