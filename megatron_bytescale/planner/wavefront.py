@@ -45,23 +45,38 @@ def simulate_wavefront(lists: Sequence[Sequence[int]], dur: Mapping[int, float],
     keys would not order the graph; the caller walks the graph instead)."""
     n = len(lists)
     counts = np.fromiter((len(ol) for ol in lists), dtype=np.int64, count=n)
+    flat = np.fromiter((o for ol in lists for o in ol), dtype=np.int64, count=int(counts.sum()))
+    orders, index = np.unique(flat, return_inverse=True)
+    t = np.array([float(dur.get(o, 0.0)) for o in orders.tolist()])
+    return simulate_wavefront_flat(np.repeat(np.arange(n), counts), index, t, n, pp, forward_fraction)
+
+
+def simulate_wavefront_flat(pipeline: np.ndarray, index: np.ndarray, t: np.ndarray, n: int, pp: int,
+                            forward_fraction: float) -> np.ndarray | None:
+    """:func:`simulate_wavefront` with every slot of every list as an entry of two flat arrays:
+    the pipeline (0 .. n - 1) whose list holds it and its micro-batch (an index into ``t``, the
+    stage times), each pipeline's slots in list order (slots of different pipelines may
+    interleave)."""
+    pipeline = np.asarray(pipeline, dtype=np.int64)
+    index = np.asarray(index, dtype=np.int64)
+    counts = np.bincount(pipeline, minlength=n)
     depth = int(counts.max()) if n else 0
     if depth == 0:
         return np.zeros(n)
-    flat = np.fromiter((o for ol in lists for o in ol), dtype=np.int64, count=int(counts.sum()))
-    local = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
-    orders, index = np.unique(flat, return_inverse=True)
-    # D5: every order at one local index (all its slots have the index of its first slot)
-    first = np.empty(len(orders), dtype=np.int64)
+    by_pipeline = np.argsort(pipeline, kind="stable")  # list order kept within a pipeline
+    index = index[by_pipeline]
+    local = np.arange(len(index)) - np.repeat(np.cumsum(counts) - counts, counts)
+    m = len(t)
+    # D5: every micro-batch at one local index (all its slots have the index of its last slot)
+    first = np.zeros(m, dtype=np.int64)
     first[index] = local
     if not np.array_equal(first[index], local):
         return None
-    holders = np.bincount(index, minlength=len(orders))
-    t = np.array([float(dur.get(o, 0.0)) for o in orders.tolist()] + [0.0])
-    pad = len(orders)  # a weightless order past every list's end
-    grid = np.full((n, depth), pad, dtype=np.int64)
-    grid[np.repeat(np.arange(n), counts), local] = index
-    return _run(grid, t, np.append(holders > 1, False)[grid], pp, forward_fraction)
+    holders = np.bincount(index, minlength=m)
+    grid = np.full((n, depth), m, dtype=np.int64)  # m: a weightless micro-batch past every list's end
+    grid[pipeline[by_pipeline], local] = index
+    return _run(grid, np.append(np.asarray(t, dtype=float), 0.0), np.append(holders > 1, False)[grid], pp,
+                forward_fraction)
 
 
 def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction: float) -> np.ndarray:

@@ -6,7 +6,7 @@ ring member, tens of thousands per candidate) cost as much as timing it, and all
 are thrown away. :func:`finish_times` reads the placements directly: orders are numbered in
 placement order as :func:`._common.emit_plan` numbers them, each micro-batch is costed by
 :func:`..estimate.costs_of` (the code :func:`..estimate.micro_batch_costs` runs on a built plan)
-and the pipelines are timed by :func:`..wavefront.simulate_wavefront` (what
+and the pipelines are timed by :func:`..wavefront.simulate_wavefront_flat` (what
 :func:`..order.simulate` runs for such a plan). So it returns the same floats as
 ``estimate_plan(emit_plan(request, placements), cost_model).rank_time_s``, which the tests check
 on seeded batches.
@@ -21,7 +21,7 @@ import numpy as np
 from ..cost_model import CostModel
 from ..estimate import costs_of
 from ..topology import Topology
-from ..wavefront import simulate_wavefront
+from ..wavefront import simulate_wavefront_flat
 from ._common import Placement, PlanRequest
 
 
@@ -47,17 +47,13 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
     cache = {} if seconds is None else seconds
-    lists: list[list[int]] = [[] for _ in range(n)]
-    durations: dict[int, float] = {}
+    known = [cache.get(id(p)) for p in placements]
+    times = [k[1] if k is not None and k[0] is p else None for k, p in zip(known, placements)]
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     holders: dict[int, list[int]] = {}
-    for order, p in enumerate(placements):
-        for r in p.ring:
-            lists[r].append(order)
-        known = cache.get(id(p))
-        if known is not None and known[0] is p:
-            durations[order] = known[1]
-        else:
+    for order, t in enumerate(times):
+        if t is None:
+            p = placements[order]
             ring = tuple(map(int, p.ring))
             seen[order] = (ring, tuple(map(int, p.seqs)), p.offload_ratio)
             holders[order] = list(ring)
@@ -65,6 +61,10 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
         costs = costs_of(seen, holders, dict(zip(request.ids, request.lengths)), cost_model, topo,
                          align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
         for order, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
-            durations[order] = t
+            times[order] = t
             cache[id(placements[order])] = (placements[order], t)
-    return simulate_wavefront(lists, durations, request.pp_size, cost_model.forward_fraction)
+    # orders number the placements (as emit_plan numbers them); each member's list in placement order
+    pipeline = np.fromiter((r for p in placements for r in p.ring), dtype=np.int64)
+    index = np.repeat(np.arange(len(placements)), [len(p.ring) for p in placements])
+    return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
+                                   cost_model.forward_fraction)
