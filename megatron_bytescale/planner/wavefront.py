@@ -146,6 +146,15 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     lowest = np.where(runs, index, depth).min(axis=1)
     # the pipelines after the first ``width`` are past their end at every stage that runs
     width = np.where(lowest < depth, reach[np.minimum(lowest, depth - 1)], 0).tolist()
+    # from which key on only few pipelines are left and no ring: the rest runs in Python
+    # (:func:`_tail`), where numpy's per-call cost would dominate
+    later_width = np.maximum.accumulate(np.asarray(width)[::-1])[::-1]
+    later_lowest = np.minimum.accumulate(lowest[::-1])[::-1]
+    ring_rows = np.flatnonzero(ring_t.any(axis=1))
+    ring_free = int(ring_rows[-1]) + 1 if len(ring_rows) else 0
+    python_from = np.flatnonzero((later_width * pp <= _TAIL_OPS) & (later_lowest >= ring_free))
+    tail_key = int(python_from[0]) if len(python_from) else len(width)
+    raw_index = index
     index = np.clip(index, 0, depth - 1)
     column = np.where(forward, np.maximum(stages - 1, 0), np.minimum(stages + 1, pp - 1))
     phase = np.where(forward, 0, 1)
@@ -154,7 +163,7 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     prev = np.zeros((pp, n))  # finish of the ops of the previous key
     buf = np.zeros((pad + 1) * pp)  # per (order, stage): its ring's start; zero between uses
     stage_col = np.broadcast_to(stages[:, None], (pp, n))
-    for key, m in enumerate(width):
+    for key, m in enumerate(width[:tail_key]):
         if not runs[key].any():
             continue
         if not m:
@@ -175,6 +184,46 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
         prev = np.zeros((pp, n))
         np.copyto(prev[:, :m], finish, where=live)
         np.copyto(old, finish, where=live)
+    finish = last.max(axis=0)
+    if tail_key < len(width):
+        m = int(later_width[tail_key])
+        keys_left = slice(tail_key, None)
+        finish[:m] = _tail(last[:, :m], prev[:, :m], w[:, :, :m], counts[by_count][:m].tolist(),
+                           raw_index[keys_left].tolist(), runs[keys_left].tolist(), forward[keys_left].tolist(),
+                           column[keys_left].tolist())
     out = np.empty(n)
-    out[by_count] = last.max(axis=0)
+    out[by_count] = finish
+    return out
+
+
+_TAIL_OPS = 48
+"""Switch to :func:`_tail` once the pipelines left times the stages are at most this: a key costs
+numpy ~13 calls (~20 us) whatever its width, Python well under a microsecond per op."""
+
+
+def _tail(last: np.ndarray, prev: np.ndarray, w: np.ndarray, counts: list[int], index: list[list[int]],
+          runs: list[list[bool]], forward: list[list[bool]], column: list[list[int]]) -> list[float]:
+    """The keys left, pipeline by pipeline in Python floats: the same maxima and sums as the
+    wavefront loop (IEEE doubles either way), valid where no ring is left (nothing couples the
+    pipelines). ``last`` / ``prev`` ``[stage, pipeline]`` as the loop left them, ``w``
+    ``[micro-batch, phase, pipeline]``, the per-key lists from the key ``index`` / ``runs`` /
+    ``forward`` / ``column`` tables; returns each pipeline's finish."""
+    pp = last.shape[0]
+    stages = range(pp)
+    out = []
+    for j, count in enumerate(counts):
+        wf, wb = w[:, 0, j].tolist(), w[:, 1, j].tolist()
+        done, before = last[:, j].tolist(), prev[:, j].tolist()
+        for ik, rk, fk, ck in zip(index, runs, forward, column):
+            if not any(rk):
+                continue  # as the loop: the previous key's finishes stay
+            now = [0.0] * pp
+            for s in stages:
+                i = ik[s]
+                if rk[s] and i < count:
+                    a, b = done[s], before[ck[s]]
+                    f = (a if a >= b else b) + (wf[i] if fk[s] else wb[i])
+                    now[s] = done[s] = f
+            before = now
+        out.append(max(done))
     return out

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from megatron_bytescale.planner import wavefront
 from megatron_bytescale.planner.order import _simulate_pipelines
 from megatron_bytescale.planner.wavefront import pipelines_alone, simulate_wavefront
 
@@ -38,8 +39,13 @@ def _random_lists(rng: random.Random) -> tuple[list[list[int]], dict[int, float]
     return lists, dur, pp
 
 
+@pytest.mark.parametrize("tail_ops", [None, 0, 10**9])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_same_floats_as_the_graph_walk(seed):
+def test_the_same_floats_as_the_graph_walk(seed, tail_ops, monkeypatch):
+    """Also with the Python tail (the keys after the last ring, once few pipelines are left)
+    never taken (0) and taken as soon as no ring is left (10**9)."""
+    if tail_ops is not None:
+        monkeypatch.setattr(wavefront, "_TAIL_OPS", tail_ops)
     rng = random.Random(seed)
     rings = 0
     for _ in range(500):
