@@ -56,6 +56,8 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
+   With PP only the winner is built into a plan: the other candidates are timed from their
+   placements (:mod:`.candidate_time`, the same floats as their plans' estimates).
 
 6. **Expert groups** (``ep_size`` E > 1). The plan is made as for PP (count groups keep every
    ring at one slot on its members, also at PP 1), with candidates compared by an estimate that
