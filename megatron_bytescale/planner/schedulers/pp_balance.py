@@ -4,14 +4,13 @@ single-rank units, and the 1F1B floor that lets ``balance`` skip hopeless candid
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from typing import Sequence
 
 import numpy as np
 
 from ..sharding import ShardingContext, Unit
 from ..wavefront import pipelines_alone_flat
-from ._common import Placement, split_equal_work
+from ._common import Placement, placement, split_equal_work
 from .placement import RingPlacer
 
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
@@ -183,30 +182,43 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
 
 def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: float,
                 num_buckets: int) -> list[Placement]:
+    """Alg. 2's runs (the module docstring of :mod:`.balance`, step 4): each target pipeline
+    takes consecutive units of one bucket until the next would pass the current max load.
+
+    :meth:`_PipelineLoad.add` is inlined (the same float operations: ``t + fill_drain * max(0,
+    t - longest)``, the longest kept by ``t > longest``): it runs once per single-rank unit,
+    thousands per candidate."""
     load = pipeline_load.loads
-    n = len(load)
-    buckets = split_equal_work(singles, num_buckets)
-    stream: deque[tuple[int, Unit]] = deque((b, u) for b, bucket in enumerate(buckets) for u in bucket)
+    longest = pipeline_load.longest
+    fd = pipeline_load.fill_drain
+    ranks = range(len(load))
+    stream = [(b, u) for b, bucket in enumerate(split_equal_work(singles, num_buckets)) for u in bucket]
+    total, k = len(stream), 0
     placements: list[Placement] = []
-
-    def give(r: int) -> None:
-        _, u = stream.popleft()
-        pipeline_load.add(r, u.time)
-        placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
-
-    while stream:
+    while k < total:
         max_t = max(load)
         threshold = max_t - delta * max_t
-        targets = [r for r in range(n) if load[r] < threshold] or list(range(n))
+        targets = [r for r in ranks if load[r] < threshold] or list(ranks)
         targets.sort(key=lambda r: (load[r], r))
         for r in targets:
-            if not stream:
+            if k == total:
                 break
-            bucket = stream[0][0]
-            give(r)
-            while (stream and stream[0][0] == bucket
-                   and load[r] + pipeline_load.added(r, stream[0][1].time) <= max_t):
-                give(r)
+            bucket = stream[k][0]
+            while True:  # one unit, then more of the bucket while the pipeline stays within max_t
+                u = stream[k][1]
+                k += 1
+                t = u.time
+                x = t - longest[r]
+                load[r] += t + fd * (x if x > 0.0 else 0.0)
+                if x > 0.0:
+                    longest[r] = t
+                placements.append(placement((r,), u.seqs, u.offload_ratio))
+                if k == total or stream[k][0] != bucket:
+                    break
+                t = stream[k][1].time
+                x = t - longest[r]
+                if not load[r] + (t + fd * (x if x > 0.0 else 0.0)) <= max_t:
+                    break
     return placements
 
 
