@@ -21,8 +21,14 @@ from megatron_bytescale.planner.topology import Topology
 from planner_cases import small_cost_model
 
 
-@pytest.mark.parametrize("nodes,two_level", [(None, False), ("irregular", False), (None, True)])
-def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, monkeypatch):
+# the last case adds the terms with a square root, a logarithm and a per-document cost (as the
+# fitted preset has): a micro-batch's time must not depend on which others it is costed with
+NOISY = dict(ring_straggler_s=2e-6, ring_straggler_link_ratio=0.05, per_document_s=1e-6)
+
+
+@pytest.mark.parametrize("nodes,two_level,terms", [(None, False, {}), ("irregular", False, {}), (None, True, {}),
+                                                   (None, False, NOISY)])
+def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, terms, monkeypatch):
     checked = {"n": 0, "offloaded": 0, "rings": 0}
 
     def checking(request, placements, cost_model, seconds=None):
@@ -44,7 +50,7 @@ def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, monkeyp
             for offload, seed in ((False, 0), (True, 0), (True, 1)):
                 lengths = synthetic_lengths(ds, 100_000, seed=seed, max_length=16_384)
                 plan = make_plan(lengths, scheduler="balance", hdp_size=hdp, capacity=2_048, pp_size=pp,
-                                 cost_model=small_cost_model(two_level_ring=two_level), offload=offload,
+                                 cost_model=small_cost_model(two_level_ring=two_level, **terms), offload=offload,
                                  topology=topology, context_length=16_384, align=8)
                 # the winner, built at the end, carries the estimate its timing promised
                 assert plan.estimate.step_time_s == max(plan.estimate.rank_time_s)
