@@ -137,6 +137,26 @@ class ShardingContext:
             num_docs=len(s),
         ), dtype=np.float64).reshape(-1)
 
+    def time_on_rings_each(self, lengths: Sequence[int], ring_sizes: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`time_on_rings` of many one-sequence units at once: ``lengths[i]`` on each size
+        in ``ring_sizes[i]``. The same floats as one call per unit (a single sequence's sums
+        are its own padded length and its square, and the cost model is elementwise), one
+        vectorised call for all."""
+        counts = [len(g) for g in ring_sizes]
+        if not counts:
+            return []
+        d = np.concatenate([np.asarray(g, dtype=np.int64) for g in ring_sizes])
+        s = np.repeat(np.asarray(lengths, dtype=np.int64), counts)
+        parts = 2 * d
+        chunk = -(-s // parts)
+        chunk = -(-chunk // self.align) * self.align
+        p = np.where(d == 1, s, chunk * parts).astype(np.float64)
+        t = np.asarray(self.cost_model.ring_time_from_sums(
+            p, p * p, d, layers=self.layers, intra_node=d <= self.cost_model.ranks_per_node,
+            node_group=self.node_group(d), num_docs=1,
+        ), dtype=np.float64).reshape(-1)
+        return np.split(t, np.cumsum(counts)[:-1])
+
     def resize(self, unit: Unit, ring_size: int) -> Unit:
         """``unit`` on ``ring_size`` ranks (>= its minimum; rounded by :meth:`round_ring`) with the
         smallest offload ratio that fits."""

@@ -206,3 +206,22 @@ def test_the_fill_is_dropped_once_a_rank_reaches_the_best_step_and_not_before():
     assert makespan_below(lazy(), [a, r, b], ctx(2), 2, 0.8) is None and len(made) == 2
     got = makespan_below(steps, [a, r, b], ctx(2), 2, full * (1 + 1e-12))
     assert got == ([p for s in steps for p in s], full)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(two_level_ring=True),
+                                     dict(ring_straggler_s=2e-6, ring_straggler_link_ratio=0.05, per_document_s=1e-6)])
+def test_many_one_sequence_units_timed_at_once_as_each_alone(changes):
+    """``time_on_rings_each`` (widening times every unit's ring grid in one call) gives each unit
+    the floats of its own ``time_on_rings`` call: padded parts, intra- and inter-node sizes,
+    two-level rings, the terms with a square root and a logarithm."""
+    import numpy as np
+
+    ctx = ShardingContext(capacity=2_048, cost_model=small_cost_model(**changes), layers=8, hdp_size=64, align=8)
+    lengths = [2_048, 3_001, 9_999, 16_384, 40_000, 77]
+    grids = [np.arange(1, 9), np.array([3, 5, 64]), np.array([2]), np.arange(4, 65, 3), np.array([64, 63, 1]),
+             np.array([7])]
+    together = ctx.time_on_rings_each(lengths, grids)
+    assert len(together) == len(lengths)
+    for s, g, t in zip(lengths, grids, together):
+        assert np.array_equal(t, ctx.time_on_rings([s], g))
+    assert ctx.time_on_rings_each([], []) == []

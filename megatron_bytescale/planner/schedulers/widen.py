@@ -23,10 +23,18 @@ def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_siz
         work = sum(u.work for u in units)
         target = work / n / pp_size
         changed = False
-        for k, u in enumerate(units):
-            if u.time <= target * (1 + 1e-9) or u.ring_size >= n or max(u.lengths) < ctx.capacity:
-                continue  # packs of short sequences never communicate (paper §5.1)
-            w = _smallest_ring_under(u, target, ctx, n)
+        # the units this pass looks at (packs of short sequences never communicate, paper §5.1),
+        # known before it starts: a unit is replaced only when it is looked at; their ring grids
+        # are timed together where they hold one sequence
+        todo = [k for k, u in enumerate(units)
+                if not (u.time <= target * (1 + 1e-9) or u.ring_size >= n or max(u.lengths) < ctx.capacity)]
+        grids = {k: _ring_grid(units[k].ring_size, n) for k in todo}
+        single = [k for k in todo if len(units[k].lengths) == 1]
+        timed = dict(zip(single, ctx.time_on_rings_each([units[k].lengths[0] for k in single],
+                                                        [grids[k] for k in single])))
+        for k in todo:
+            u = units[k]
+            w = _smallest_ring_under(u, target, ctx, n, grid=grids[k], times=timed.get(k))
             # only if it lowers the bound max(work / n, this unit's time): a wider ring costs more
             # rank-seconds (gamma and communication per member), which can outweigh the gain
             new_work = work - u.work + w.work
@@ -40,19 +48,23 @@ def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_siz
     return units, len(grown)
 
 
-def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, n: int) -> Unit:
+def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, n: int, *,
+                         grid: np.ndarray | None = None, times: np.ndarray | None = None) -> Unit:
     """The unit on the smallest ring in (ring_size, n] whose time is <= target.
 
     A ring's time cannot fall below its communication floor: every member receives the whole
     sequence's K/V in forward and K/V plus dK/dV in backward, ``(2 * kv + dkv) * s / bandwidth`` per layer
     whatever D is, and each extra member adds a latency per step. So time(D) falls, flattens,
-    then rises again. We evaluate it on a geometric grid of ring sizes, find the fastest, and if
+    then rises again. We evaluate it on a geometric grid of ring sizes (``grid``, with its
+    ``times`` when the caller has them), find the fastest, and if
     the target is below that (a very long sequence) aim at 2 % above the fastest instead, so the
     ring does not burn ranks on exposed communication. Then the smallest grid size that meets the
     aim is refined by bisection against the grid point before it.
     """
-    grid = _ring_grid(u.ring_size, n)
-    times = ctx.time_on_rings(u.lengths, grid)
+    if grid is None:
+        grid = _ring_grid(u.ring_size, n)
+    if times is None:
+        times = ctx.time_on_rings(u.lengths, grid)
     best = int(np.argmin(times))
     if grid[best] == u.ring_size:
         return u
