@@ -14,14 +14,15 @@ What it measures:
    32M-token batches at 256K context, 1,024 ranks, offload off (training's default; goal
    < 100 ms CPU), and PP-Balance in every Fig. 17 PP cell at the paper's GPU counts, as the
    simulator plans them (timing-only plans, Eq. 3 offload; goal < 0.5 s CPU each); minimum and
-   median CPU time of ``--repeats`` runs (the goals are read from the minimum).
+   median CPU time of ``--repeats`` runs in each of ``--rounds`` passes (the goals are read from
+   the minimum).
 
 5. Planning time with offload off and on (section ``planner_time_offload``, ``--offload-time``):
    selective offload plans two unit sets, so offload on costs more; thread CPU time, median and
    minimum, DP-Balance at 256K on 1,024 ranks and four Fig. 17 PP cells (``--hardware``, default
    ``h100``).
 
-Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 5] [--no-write] [--only-time]
+Usage: ``.venv/bin/python scripts/bench_planner.py [--repeats 5] [--rounds 2] [--no-write] [--only-time]
 [--offload-time [--hardware h100]]`` (``--only-time``: only item 4; ``--offload-time``: only item 5).
 """
 
@@ -93,40 +94,49 @@ def cpu_times(fn, repeats: int) -> list[float]:
     return times
 
 
-def planning_time_section(repeats: int) -> str:
+def planning_time_section(repeats: int, rounds: int = 2) -> str:
     """Section ``planner_time``: DP-Balance at 256K without offload, PP-Balance in the Fig. 17
-    PP cells (see the module docstring, item 4)."""
+    PP cells (see the module docstring, item 4). Every configuration is timed ``repeats`` times
+    in each of ``rounds`` passes over all of them: this machine's speed drifts over minutes, and
+    passes minutes apart keep one slow spell from deciding a configuration's figure."""
     from megatron_bytescale.sim import paper
 
     load_before = os.getloadavg()[0]
     cm = preset_cost_model("llama-7b")
-    dp_rows, dp_worst = [], 0.0
+    configs = []  # (section, row label, plan function)
     for ds in DATASETS:
         lengths = synthetic_lengths(ds, TOKENS, seed=0, max_length=262144)
-        progress(f"planning time: DP-Balance {ds} 256K, 1,024 ranks, offload off ...")
-        times = cpu_times(lambda: make_plan(lengths, scheduler="balance", hdp_size=1024, capacity=CAPACITY,
-                                            cost_model=cm, context_length=262144, offload=False), repeats)
-        cpu = min(times)
-        dp_worst = max(dp_worst, cpu)
-        dp_rows.append([ds, "256K", "1,024", "off", f"{len(lengths):,}", f"{cpu * 1e3:.0f}",
-                        f"{statistics.median(times) * 1e3:.0f}"])
-    pp_rows, pp_times = [], []
+        configs.append(("dp", [ds, "256K", "1,024", "off", f"{len(lengths):,}"],
+                        lambda lengths=lengths: make_plan(lengths, scheduler="balance", hdp_size=1024,
+                                                          capacity=CAPACITY, cost_model=cm, context_length=262144,
+                                                          offload=False)))
     for model in paper.PP_BALANCE_MODELS:
         setup = paper.paper_setup(model)
         for ds in DATASETS:
             for ctx in [c for c in paper.FIG17_CONTEXTS if c <= paper.FIG17_MAX_CONTEXT.get(model, 1 << 40)]:
                 lengths = synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=0, max_length=ctx)
-                progress(f"planning time: PP-Balance {model} {ds} {ctx >> 10}K ...")
                 kw = dict(scheduler="balance", hdp_size=setup.hdp_size, capacity=setup.capacity,
                           cost_model=setup.cost_model, pp_size=setup.pp_size, offload=True,
                           overlong=setup.overlong, align=setup.align, context_length=ctx, delta=setup.delta,
                           num_buckets=setup.num_buckets, estimate=False, pieces=False, topology=setup.topology)
-                times = cpu_times(lambda: make_plan(lengths, **kw), repeats)
-                cpu = min(times)
-                pp_times.append(cpu)
-                pp_rows.append([model, ds, f"{ctx >> 10}K".replace("2048K", "2M").replace("1024K", "1M"),
-                                f"{paper.FIG17_GPUS[model]:,}", f"{setup.hdp_size} x PP {setup.pp_size}",
-                                f"{cpu * 1e3:.0f}", f"{statistics.median(times) * 1e3:.0f}"])
+                configs.append(("pp", [model, ds, f"{ctx >> 10}K".replace("2048K", "2M").replace("1024K", "1M"),
+                                       f"{paper.FIG17_GPUS[model]:,}", f"{setup.hdp_size} x PP {setup.pp_size}"],
+                                lambda lengths=lengths, kw=kw: make_plan(lengths, **kw)))
+    times: list[list[float]] = [[] for _ in configs]
+    for r in range(rounds):
+        for i, (kind, label, fn) in enumerate(configs):
+            progress(f"planning time, round {r + 1} of {rounds}: {kind.upper()}-Balance {' '.join(label[:3])} ...")
+            times[i] += cpu_times(fn, repeats)
+    dp_rows, dp_worst, pp_rows, pp_times = [], 0.0, [], []
+    for (kind, label, _), ts in zip(configs, times):
+        cpu = min(ts)
+        row = label + [f"{cpu * 1e3:.0f}", f"{statistics.median(ts) * 1e3:.0f}"]
+        if kind == "dp":
+            dp_worst = max(dp_worst, cpu)
+            dp_rows.append(row)
+        else:
+            pp_times.append(cpu)
+            pp_rows.append(row)
     load_after = os.getloadavg()[0]
     pp_worst = max(pp_times)
     summary = markdown_table(["figure", "goal", "measured (CPU)", "status"], [
@@ -143,12 +153,13 @@ def planning_time_section(repeats: int) -> str:
                         pp_rows)
     return f"""## Planner: planning time of the configurations users run
 
-`scripts/bench_planner.py --only-time --repeats {repeats}` (CPU time of {repeats} runs after a
-warm-up: the minimum, which the goals are read from, and the median; `make_plan` with the
-estimate for DP, timing-only plans as the simulator makes them for PP). {machine_line()} Load
-average {load_before:.1f} before / {load_after:.1f} after. The same code's CPU time on this
-machine moves by up to a quarter between runs a minute apart, with nothing else running; the
-minimum is the run least slowed by that.
+`scripts/bench_planner.py --only-time --repeats {repeats} --rounds {rounds}` (CPU time of {repeats}
+runs after a warm-up, in each of {rounds} passes over all configurations, minutes apart: the
+minimum, which the goals are read from, and the median; `make_plan` with the estimate for DP,
+timing-only plans as the simulator makes them for PP). {machine_line()} Load average
+{load_before:.1f} before / {load_after:.1f} after. The same code's CPU time on this machine
+drifts by a quarter or more over minutes, with nothing else running; the minimum over passes
+minutes apart is the figure least slowed by that.
 
 {summary}
 
@@ -229,6 +240,8 @@ shared, loaded machine the minimum is the better figure, and all of them are hig
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="runs per configuration (default 5)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="passes over all configurations of the planning-time section (default 2)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     ap.add_argument("--only-time", action="store_true",
                     help="only the planning-time section (DP-Balance at 256K, PP-Balance Fig. 17 cells)")
@@ -245,7 +258,7 @@ def main() -> int:
             progress("wrote section 'planner_time_offload' of docs/benchmarks.md")
         return 0
 
-    timing = planning_time_section(args.repeats)
+    timing = planning_time_section(args.repeats, args.rounds)
     if args.no_write:
         print(timing)
     else:
