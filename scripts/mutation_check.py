@@ -667,6 +667,17 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*pp_balance.x__place_rings_aligned__*", r"topo\.ring_nodes\(members\) - topo\.min_nodes\(d\), start, c\)  ->  .*topo\.ring_nodes\(members\) \+ topo\.min_nodes\(d\)",
      "min_nodes(d) is the same for every count group compared (d is this ring's size): adding it "
      "instead of subtracting it keeps the order of the scores"),
+    ("*pp_balance.x__place_rings_aligned__*", r"if best is not None and \(0, start, c\) >= best\[0\]:  ->  .*\(0, start, c\) > best\[0\]:",
+     "best[0] carries another count group's count c, so (0, start, c) never equals it: > and >= "
+     "stop at the same group"),
+    ("*pp_balance.x__place_runs__*", r"load\[r\] \+= t \+ fd \* \(x if x > 0\.0 else 0\.0\)  ->  .*\(x if x >= 0\.0 else 0\.0\)",
+     "at x == 0 both add fd * 0.0: the same float"),
+    ("*pp_balance.x__place_runs__*", r"^if x > 0\.0:  ->  if x >= 0\.0:$",
+     "at x == 0 the unit's time equals the pipeline's longest: the same value is stored"),
+    ("*pp_balance.x__place_runs__*", r"^if not load\[r\] \+ \(t \+ fd \* \(x if x > 0\.0 else 0\.0\)\) <= max_t:  ->  .*(t - fd \*|x if \(x > 0\.0\) and False|x if x >= 0\.0|x if x > 1\.0)",
+     "every caller passes the single-rank units longest first (unit_sort_key), so a unit checked "
+     "inside a run is never longer than the pipeline's longest (the run's first unit, or earlier): "
+     "x <= 0 and the fill-and-drain term is 0 under each of these conditions"),
     ("*pp_balance.x_short_first__*", r"k > last_ring\.get\(p\.ring\[0\], -1\):  ->  .*k (> last_ring\.get\(p\.ring\[0\], -2\)|>= last_ring\.get\(p\.ring\[0\], -1\)):",
      "k >= 0, so any negative default admits every micro-batch of a rank without a ring; and the "
      "placement at a rank's last ring index is that ring, which len(p.ring) == 1 already excludes"),

@@ -197,3 +197,21 @@ def test_only_pipelines_below_the_threshold_take_work_while_one_exists():
     Pipeline 1, at 0.8, within delta of the max, takes nothing."""
     units = [unit(0, 1000), unit(1, 800), unit(2, 100), unit(3, 500), unit(4, 500)]
     assert by_rank(pp_balance(units, ctx(3), 3, delta=0.3, num_buckets=1), 3) == [[0], [1], [2, 3, 4]]
+
+
+def test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest():
+    """4 pipelines on one node, loads 0, 1, 9, 2. The first ring of 2 (2.5 s) takes pipelines 0
+    and 1 (loads 2.5 and 3.5, one ring run). The second ring of 2 then has two count groups:
+    {3, 2} (loads 2, 9: it could start at 9) and {0, 1} (2.5, 3.5: at 3.5). It must go to 0 and
+    1; a group ranked by its least load instead of its d-th least would put it on 2 and 3."""
+    from megatron_bytescale.planner.schedulers.placement import RingPlacer
+    from megatron_bytescale.planner.schedulers.pp_balance import _PipelineLoad, _place_rings_aligned
+
+    c = ctx(4)
+    placer = RingPlacer(c.nodes, 4)
+    placer.loads[:] = [0.0, 1.0, 9.0, 2.0]
+    placer.touch(range(4))
+    first, second = unit(0, 5000, ring=2), unit(1, 1000, ring=2)
+    placements = _place_rings_aligned([second, first], c, placer, _PipelineLoad(placer.loads, 0))
+    assert [(p.seqs, p.ring) for p in placements] == [((0,), (0, 1)), ((1,), (0, 1))]
+    assert placer.loads.tolist() == [0.0 + first.time + second.time, 1.0 + first.time + second.time, 9.0, 2.0]

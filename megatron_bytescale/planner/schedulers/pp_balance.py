@@ -15,7 +15,8 @@ from .placement import RingPlacer
 
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
                num_buckets: int, fill_drain: int = 0) -> list[Placement]:
-    """Rings aligned by count groups (widest first), then runs of single-rank units.
+    """Rings aligned by count groups (widest first), then runs of single-rank units, taken in
+    the order of ``units`` (``balance`` passes them longest first, :func:`._common.unit_sort_key`).
 
     A pipeline's load is its stage work plus ``fill_drain`` times its longest micro-batch: with
     ``fill_drain = pp_size - 1`` that is the 1F1B fill and drain (while a long micro-batch
