@@ -453,6 +453,16 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*widen.x__ring_grid__*", r"x = max\(x \* 1\.1, x \+ 1\)|while x < hi",
      "grid resolution: the bisection after the grid search finds the same smallest ring, and a "
      "grid that stops one step later or earlier still contains both ends"),
+    ("*widen.x_widen_for_balance__*", r"^single = \[k for k in todo if len\(units\[k\]\.lengths\) == 1\]  ->  single = \[k for k in todo if len\(units\[k\]\.lengths\) (!= 1|== 2)\]$",
+     "a unit holding a sequence of at least C holds only that sequence (sharding packs only shorter "
+     "ones), so every unit a pass looks at holds one; timed alone or with the others it gets the "
+     "same floats (test_many_one_sequence_units_timed_at_once_as_each_alone)"),
+    ("*widen.x_widen_for_balance__*", r"^times = timed\[k\] if k in timed else ctx\.time_on_rings\(u\.lengths, grids\[k\]\)  ->  times = timed\[k\] if k in timed else ",
+     "only a unit of several sequences takes this branch, and no pass looks at one (see the entry "
+     "on single)"),
+    ("*widen.x_widen_for_balance__*", r"^times = timed\[k\] if k in timed else ctx\.time_on_rings\(u\.lengths, grids\[k\]\)  ->  times = timed\[k\] if (\(k in timed\) and False|\(k in timed\) or True|k not in timed) else ",
+     "every unit a pass looks at holds one sequence and is in timed, and its times from the batched "
+     "call equal those of its own call: either branch gives the same floats"),
     ("*widen.x__smallest_ring_under__*", r"times\[: best \+ 1\]",
      "times[best] always meets the aim (aim >= 1.02 x times[best]), so the first index that "
      "meets it is at most best whatever the slice end or the comparison"),

@@ -34,7 +34,8 @@ def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_siz
                                                         [grids[k] for k in single])))
         for k in todo:
             u = units[k]
-            w = _smallest_ring_under(u, target, ctx, n, grid=grids[k], times=timed.get(k))
+            times = timed[k] if k in timed else ctx.time_on_rings(u.lengths, grids[k])
+            w = _smallest_ring_under(u, target, ctx, grids[k], times)
             # only if it lowers the bound max(work / n, this unit's time): a wider ring costs more
             # rank-seconds (gamma and communication per member), which can outweigh the gain
             new_work = work - u.work + w.work
@@ -48,23 +49,19 @@ def widen_for_balance(units: list[Unit], ctx: ShardingContext, n: int, *, pp_siz
     return units, len(grown)
 
 
-def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, n: int, *,
-                         grid: np.ndarray | None = None, times: np.ndarray | None = None) -> Unit:
-    """The unit on the smallest ring in (ring_size, n] whose time is <= target.
+def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, grid: np.ndarray,
+                         times: np.ndarray) -> Unit:
+    """The unit on the smallest ring in (ring_size, grid[-1]] whose time is <= target.
 
     A ring's time cannot fall below its communication floor: every member receives the whole
     sequence's K/V in forward and K/V plus dK/dV in backward, ``(2 * kv + dkv) * s / bandwidth`` per layer
     whatever D is, and each extra member adds a latency per step. So time(D) falls, flattens,
-    then rises again. We evaluate it on a geometric grid of ring sizes (``grid``, with its
-    ``times`` when the caller has them), find the fastest, and if
+    then rises again. The caller evaluates it on a geometric grid of ring sizes
+    (``grid``, :func:`_ring_grid`, and its ``times``); we find the fastest, and if
     the target is below that (a very long sequence) aim at 2 % above the fastest instead, so the
     ring does not burn ranks on exposed communication. Then the smallest grid size that meets the
     aim is refined by bisection against the grid point before it.
     """
-    if grid is None:
-        grid = _ring_grid(u.ring_size, n)
-    if times is None:
-        times = ctx.time_on_rings(u.lengths, grid)
     best = int(np.argmin(times))
     if grid[best] == u.ring_size:
         return u
