@@ -125,16 +125,12 @@ class ShardingContext:
     def time_on_rings(self, lengths: Sequence[int], ring_sizes: np.ndarray) -> np.ndarray:
         """Seconds per member of one unit on each ring size in ``ring_sizes`` (no offload; a
         ratio chosen by Eq. 3 never exposes transfer time), vectorised."""
-        s = np.asarray(lengths, dtype=np.int64)[:, None]
         d = np.asarray(ring_sizes, dtype=np.int64)[None, :]
-        parts = 2 * d
-        chunk = -(-s // parts)
-        chunk = -(-chunk // self.align) * self.align
-        p = np.where(d == 1, s, chunk * parts).astype(np.float64)
+        p = self._padded(np.asarray(lengths, dtype=np.int64)[:, None], d)
         return np.asarray(self.cost_model.ring_time_from_sums(
             p.sum(axis=0), (p * p).sum(axis=0), d[0], layers=self.layers,
             intra_node=d[0] <= self.cost_model.ranks_per_node, node_group=self.node_group(d[0]),
-            num_docs=len(s),
+            num_docs=len(lengths),
         ), dtype=np.float64).reshape(-1)
 
     def time_on_rings_each(self, lengths: Sequence[int], ring_sizes: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -146,16 +142,19 @@ class ShardingContext:
         if not counts:
             return []
         d = np.concatenate([np.asarray(g, dtype=np.int64) for g in ring_sizes])
-        s = np.repeat(np.asarray(lengths, dtype=np.int64), counts)
-        parts = 2 * d
-        chunk = -(-s // parts)
-        chunk = -(-chunk // self.align) * self.align
-        p = np.where(d == 1, s, chunk * parts).astype(np.float64)
+        p = self._padded(np.repeat(np.asarray(lengths, dtype=np.int64), counts), d)
         t = np.asarray(self.cost_model.ring_time_from_sums(
             p, p * p, d, layers=self.layers, intra_node=d <= self.cost_model.ranks_per_node,
             node_group=self.node_group(d), num_docs=1,
         ), dtype=np.float64).reshape(-1)
         return np.split(t, np.cumsum(counts)[:-1])
+
+    def _padded(self, s: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """``P_j`` as floats: each length ``s`` zigzag-padded on rings of ``d`` (broadcast)."""
+        parts = 2 * d
+        chunk = -(-s // parts)
+        chunk = -(-chunk // self.align) * self.align
+        return np.where(d == 1, s, chunk * parts).astype(np.float64)
 
     def resize(self, unit: Unit, ring_size: int) -> Unit:
         """``unit`` on ``ring_size`` ranks (>= its minimum; rounded by :meth:`round_ring`) with the
