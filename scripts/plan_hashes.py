@@ -84,16 +84,18 @@ def configurations(cells: bool) -> dict[str, callable]:
 
         for model, ds, ctx in (("llama-70b", "github", 524_288), ("mistral-8x7b", "github", 262_144),
                                ("mistral-8x22b", "byted", 2_097_152), ("llama-70b", "byted", 1_048_576)):
-            name = f"cell-{model}-{ds}-{ctx >> 10}K"
+            for estimate in (True, False):  # False: as the simulator plans (the estimate dropped)
+                name = f"cell-{model}-{ds}-{ctx >> 10}K" + ("" if estimate else "-no-estimate")
 
-            def plan(model=model, ds=ds, ctx=ctx):
-                setup = paper.paper_setup(model)
-                lengths = synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=0, max_length=ctx)
-                return make_plan(lengths, scheduler="balance", hdp_size=setup.hdp_size, capacity=setup.capacity,
-                                 cost_model=setup.cost_model, pp_size=setup.pp_size, offload=True,
-                                 overlong=setup.overlong, align=setup.align, context_length=ctx, delta=setup.delta,
-                                 num_buckets=setup.num_buckets, pieces=False, topology=setup.topology)
-            out[name] = plan
+                def plan(model=model, ds=ds, ctx=ctx, estimate=estimate):
+                    setup = paper.paper_setup(model)
+                    lengths = synthetic_lengths(ds, paper.GLOBAL_TOKENS, seed=0, max_length=ctx)
+                    return make_plan(lengths, scheduler="balance", hdp_size=setup.hdp_size,
+                                     capacity=setup.capacity, cost_model=setup.cost_model, pp_size=setup.pp_size,
+                                     offload=True, overlong=setup.overlong, align=setup.align, context_length=ctx,
+                                     delta=setup.delta, num_buckets=setup.num_buckets, pieces=False,
+                                     topology=setup.topology, estimate=estimate)
+                out[name] = plan
         name = "dp-github-256K-1024"
 
         def plan():

@@ -109,3 +109,29 @@ def test_candidates_with_expert_groups_or_one_stage_are_estimated_from_their_pla
     assert times_without_plan(build_request(lengths, pp_size=2, ep_size=1, **base))
     assert not times_without_plan(build_request(lengths, pp_size=1, ep_size=1, **base))
     assert not times_without_plan(build_request(lengths, pp_size=2, ep_size=2, **base))
+
+
+@pytest.mark.parametrize("pp,hdp,two_level,seq_split", [(2, 8, False, False), (4, 16, True, False),
+                                                        (2, 8, False, True)])
+def test_a_plan_whose_estimate_is_dropped_is_the_same_plan_built_without_one(pp, hdp, two_level, seq_split,
+                                                                            monkeypatch):
+    """``make_plan(estimate=False)`` (the simulator's call) returns the plan of
+    ``estimate=True`` without its estimate, and with PP the winner timed without a plan is then
+    built without running the full estimate (with two-level rings the wrapper estimates both
+    sizings itself; Seq1F1B splitting estimates its own trials)."""
+    lengths = synthetic_lengths("github", 100_000, seed=0, max_length=16_384)
+    kw = dict(scheduler="balance", hdp_size=hdp, capacity=2_048, pp_size=pp, offload=True, seq_split=seq_split,
+              cost_model=small_cost_model(two_level_ring=two_level), context_length=16_384)
+    with_estimate = make_plan(lengths, **kw)
+    calls = {"n": 0}
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return estimate_plan(*args, **kwargs)
+
+    monkeypatch.setattr(balance_mod, "estimate_plan", counting)
+    without = make_plan(lengths, estimate=False, **kw)
+    assert without.estimate is None
+    assert without.to_dict() == replace(with_estimate, estimate=None).to_dict()
+    # the two-level wrapper estimates each of its two sizings once; nothing else is estimated
+    assert calls["n"] == (2 if two_level else 0), calls

@@ -208,10 +208,9 @@ def test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest():
     from megatron_bytescale.planner.schedulers.pp_balance import _PipelineLoad, _place_rings_aligned
 
     c = ctx(4)
-    placer = RingPlacer(c.nodes, 4)
-    placer.loads[:] = [0.0, 1.0, 9.0, 2.0]
-    placer.touch(range(4))
+    load = _PipelineLoad(4, 0)
+    load.loads[:] = [0.0, 1.0, 9.0, 2.0]
     first, second = unit(0, 5000, ring=2), unit(1, 1000, ring=2)
-    placements = _place_rings_aligned([second, first], c, placer, _PipelineLoad(placer.loads, 0))
+    placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 4), load)
     assert [(p.seqs, p.ring) for p in placements] == [((0,), (0, 1)), ((1,), (0, 1))]
-    assert placer.loads.tolist() == [0.0 + first.time + second.time, 1.0 + first.time + second.time, 9.0, 2.0]
+    assert load.loads == [0.0 + first.time + second.time, 1.0 + first.time + second.time, 9.0, 2.0]

@@ -118,7 +118,7 @@ def plan_balance(request: PlanRequest) -> StepPlan:
         return _plan_balance(request)
     best = None
     for sizing, model in (("two-level", cm), ("flat", cm.with_(two_level_ring=False))):
-        plan = _plan_balance(replace(request, cost_model=model))
+        plan = _plan_balance(replace(request, cost_model=model, estimate=False))  # estimated below
         plan = replace(plan, meta={**plan.meta, "ring_sizing": sizing},
                        estimate=estimate_plan(plan, cm, request.topology))
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
@@ -271,8 +271,11 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             key = (plan.estimate.step_time_s, (set_index, index))
             if best is None or key < best[:2]:
                 best = (*key, plan, build)
-    plan, (_, _, cost_model) = best[2], best[3]
-    return (plan if plan is not None else _estimated(request, *best[3])), cost_model
+    plan, (placements, meta, cost_model) = best[2], best[3]
+    if plan is None:  # timed without a plan: build the winner, with its estimate if the caller keeps it
+        plan = (_estimated(request, placements, meta, cost_model) if request.estimate
+                else emit_plan(request, placements, scheduler=NAME, meta=meta))
+    return plan, cost_model
 
 
 def _estimated(request: PlanRequest, placements: list, meta: dict, cost_model: CostModel) -> StepPlan:

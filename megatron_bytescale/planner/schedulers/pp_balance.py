@@ -24,29 +24,26 @@ def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: fl
     so pipelines in a long ring take less other work; 0 balances stage work alone.
     """
     placer = RingPlacer(ctx.nodes, n)
-    load = _PipelineLoad(placer.loads, fill_drain)
+    load = _PipelineLoad(n, fill_drain)
     placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load)
-    load.loads = placer.loads.tolist()  # the placer is done; lists index faster
     singles = [u for u in units if u.ring_size == 1]
     placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
     return placements
 
 
 class _PipelineLoad:
-    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch."""
+    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch.
 
-    def __init__(self, loads: np.ndarray, fill_drain: int) -> None:
-        self.loads: np.ndarray | list[float] = loads  # updated in place
+    A micro-batch of stage time ``t`` adds ``t + fill_drain * max(0, t - longest)`` to its
+    pipeline's load and raises the pipeline's longest to ``t`` if longer. Both placement loops
+    apply that update inline (same float operations): it runs once per ring member and per
+    single-rank unit, thousands of times per candidate. Python lists: they index faster than
+    numpy arrays one element at a time."""
+
+    def __init__(self, n: int, fill_drain: int) -> None:
+        self.loads = [0.0] * n
+        self.longest = [0.0] * n
         self.fill_drain = fill_drain
-        self.longest = [0.0] * len(loads)
-
-    def added(self, r: int, t: float) -> float:
-        """How much a micro-batch of stage time ``t`` adds to pipeline ``r``'s load."""
-        return t + self.fill_drain * max(0.0, t - self.longest[r])
-
-    def add(self, r: int, t: float) -> None:
-        self.loads[r] += self.added(r, t)
-        self.longest[r] = max(self.longest[r], t)
 
 
 def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
@@ -139,13 +136,15 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     least-loaded ranks are read off the front of its list, and the fewest-nodes choice walks the
     list (:meth:`.placement.RingPlacer.fewest_nodes_ranked`, the same choice as ``fewest_nodes``
     with the group as the eligible mask) instead of sorting a masked view of every node."""
-    load = placer.loads
+    load = pipeline_load.loads
+    longest = pipeline_load.longest
+    fd = pipeline_load.fill_drain
     n = len(load)
     topo = placer.topology
     # count -> the ranks that have run that many micro-batches, as (load, rank) pairs sorted: the
     # group's d-th smallest load is entry d - 1 and its d least-loaded ranks (ties by rank) the
     # first d. Only ring members change load here, and each moves one group up.
-    groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load.tolist(), range(n)))}
+    groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load, range(n)))}
     count = [0] * n
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
@@ -170,13 +169,15 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
         for r in ring:
             c = count[r]
             ranked = groups[c]
-            del ranked[bisect.bisect_left(ranked, (float(load[r]), r))]
+            del ranked[bisect.bisect_left(ranked, (load[r], r))]
             if not ranked:
                 del groups[c]
-            pipeline_load.add(r, t)
+            x = t - longest[r]  # the load update of _PipelineLoad
+            load[r] += t + fd * (x if x > 0.0 else 0.0)
+            if x > 0.0:
+                longest[r] = t
             count[r] = c + 1
-            bisect.insort(groups.setdefault(c + 1, []), (float(load[r]), r))
-        placer.touch(ring)
+            bisect.insort(groups.setdefault(c + 1, []), (load[r], r))
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
 
@@ -186,9 +187,7 @@ def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: flo
     """Alg. 2's runs (the module docstring of :mod:`.balance`, step 4): each target pipeline
     takes consecutive units of one bucket until the next would pass the current max load.
 
-    :meth:`_PipelineLoad.add` is inlined (the same float operations: ``t + fill_drain * max(0,
-    t - longest)``, the longest kept by ``t > longest``): it runs once per single-rank unit,
-    thousands per candidate."""
+    Each unit updates its pipeline's load as :class:`_PipelineLoad` says."""
     load = pipeline_load.loads
     longest = pipeline_load.longest
     fd = pipeline_load.fill_drain
