@@ -14,6 +14,7 @@ on seeded batches.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -64,7 +65,8 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
             times[order] = t
             cache[id(placements[order])] = (placements[order], t)
     # orders number the placements (as emit_plan numbers them); each member's list in placement order
-    pipeline = np.fromiter((r for p in placements for r in p.ring), dtype=np.int64)
-    index = np.repeat(np.arange(len(placements)), [len(p.ring) for p in placements])
+    rings = [p.ring for p in placements]
+    pipeline = np.fromiter(chain.from_iterable(rings), dtype=np.int64)
+    index = np.repeat(np.arange(len(rings)), np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
     return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
                                    cost_model.forward_fraction)

@@ -4,6 +4,7 @@ single-rank units, and the 1F1B floor that lets ``balance`` skip hopeless candid
 from __future__ import annotations
 
 import bisect
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -89,14 +90,13 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
         return []
     n = ctx.hdp_size
     timed: dict[int, tuple[Placement, Sequence[Unit], float]] = {}  # by id, with the objects (no id reuse)
-    pipelines, times, sizes = [], [], []
+    members, times, sizes = [], [], []
     for k, (placements, units) in enumerate(candidates):
         by_seqs = None
-        ts = []
         for p in placements:
             known = timed.get(id(p))
             if known is not None and known[0] is p and known[1] is units:
-                ts.append(known[2])
+                times.append(known[2])
                 continue
             if by_seqs is None:
                 by_seqs = {u.seqs: u for u in units}
@@ -104,14 +104,13 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
             # a single-rank unit on its own rank runs at the time it was costed with
             t = u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring)
             timed[id(p)] = (p, units, t)
-            ts.append(t)
-        base = k * n
-        pipelines.append([base + r for p in placements for r in p.ring])
-        times.append(ts)
-        sizes.append([len(p.ring) for p in placements])
-    flat_t = np.repeat(np.fromiter((t for ts in times for t in ts), dtype=float),
-                       np.fromiter((d for ds in sizes for d in ds), dtype=np.int64))
-    flat_r = np.fromiter((r for rs in pipelines for r in rs), dtype=np.int64, count=len(flat_t))
+            times.append(t)
+        rings = [p.ring for p in placements]
+        # candidate k's pipelines are numbered k * n .. k * n + n - 1
+        members.append(np.fromiter(chain.from_iterable(rings), dtype=np.int64) + k * n)
+        sizes.append(np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
+    flat_t = np.repeat(np.array(times, dtype=float), np.concatenate(sizes))
+    flat_r = np.concatenate(members)
     alone = pipelines_alone_flat(flat_r, flat_t, n * len(candidates), pp_size, ctx.cost_model.forward_fraction)
     return [float(x) for x in alone.reshape(len(candidates), n).max(axis=1, initial=0.0)]
 
