@@ -7,10 +7,11 @@ Run it on the code before the change with ``--write FILE``, then after every cha
 covers the whole plan JSON (ranks, rings, orders, offload ratios, pieces, the estimate's every
 field and the meta: which candidate won, offload choice, widened units).
 
-Configurations (about 90): toy batches on a small cost model (GitHub and Byted, two seeds, DP,
+Configurations (124): toy batches on the toy cost model (GitHub and Byted, two seeds, DP,
 PP 2 and 4, offload on and off, the regular node map, an irregular one, two-level rings;
-expert groups at PP 1 and 2), a few mid-size batches on the LLaMA-7B preset and, with
-``--cells``, four real Fig. 17 PP cells (seconds each).
+expert groups at PP 1 and 2) and a few mid-size batches on the LLaMA-7B preset. ``--cells``
+adds nine (seconds each): four real Fig. 17 PP cells, each planned with its estimate and
+without (as the simulator plans), and DP-Balance at 1,024 ranks.
 
 Usage: ``.venv/bin/python scripts/plan_hashes.py --write /tmp/hashes.json [--cells]`` then
 ``--check /tmp/hashes.json [--cells]``.
@@ -28,10 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
-from megatron_bytescale.planner.presets import preset_cost_model  # noqa: E402
+from megatron_bytescale.planner.presets import preset_cost_model, toy_cost_model as _toy_cost_model  # noqa: E402
 from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
 from megatron_bytescale.planner.topology import Topology  # noqa: E402
-from tests.planner.planner_cases import small_cost_model as _toy_cost_model  # noqa: E402
 
 
 def _irregular(hdp: int) -> Topology:

@@ -458,6 +458,23 @@ def preset_cost_model(
     return CostModel.from_specs(spec, hw, name=f"{spec.name}-tp{spec.tensor_parallel_size}{ep}@{hw.name}")
 
 
+def toy_cost_model(**changes: Any) -> CostModel:
+    """A cost model for toy batches (tens to thousands of tokens per rank), the tests' and the
+    scripts' small model (``changes`` override its fields).
+
+    Chosen so that every regime shows up at these sizes: attention matters from a few hundred
+    tokens, offload is only overlap-feasible for long sequences (r_max = (alpha1*s + beta1) *
+    B / alpha2), and rings across nodes (4 ranks per node) can be communication-bound.
+    """
+    values: dict[str, Any] = dict(
+        name="toy", num_layers=8, alpha1=1e-9, beta1=1e-6, gamma=1e-5, alpha2=1000.0, beta2=0.0,
+        d2h_bandwidth=1e8, h2d_bandwidth=1e8, kv_bytes_per_token=64.0, dkv_bytes_per_token=128.0,
+        p2p_bandwidth_intra=1e9, p2p_bandwidth_inter=1e8, p2p_latency_s=1e-6, ranks_per_node=4,
+    )
+    values.update(changes)
+    return CostModel(**values)
+
+
 def fig6a_comparison(
     model: str = "llama-7b", hardware: str = "h100", *, tensor_parallel_size: int = 8
 ) -> list[dict[str, float]]:

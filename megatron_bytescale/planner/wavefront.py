@@ -143,9 +143,13 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     forward = (keys - stages) % 2 == 0
     index = np.where(forward, (keys - stages) // 2, (keys - 2 * pp + 1 + stages) // 2)
     runs = (index >= 0) & (index < depth)
+    # every key runs an op at some stage (the keys run from the first F to the last B of the
+    # longest list without a gap: up to key 2 depth - 1 the F of index k // 2 at stage k mod 2,
+    # or with one stage the B; then the B ops of the last micro-batches on their way back up),
+    # so ``lowest`` < depth, ``reach[lowest]`` is defined and at least one pipeline is reached
     lowest = np.where(runs, index, depth).min(axis=1)
     # the pipelines after the first ``width`` are past their end at every stage that runs
-    width = np.where(lowest < depth, reach[np.minimum(lowest, depth - 1)], 0).tolist()
+    width = reach[lowest].tolist()
     # from which key on only few pipelines are left and no ring: the rest runs in Python
     # (:func:`_tail`), where numpy's per-call cost would dominate
     later_width = np.maximum.accumulate(np.asarray(width)[::-1])[::-1]
@@ -164,11 +168,6 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     buf = np.zeros((pad + 1) * pp)  # per (order, stage): its ring's start; zero between uses
     stage_col = np.broadcast_to(stages[:, None], (pp, n))
     for key, m in enumerate(width[:tail_key]):
-        if not runs[key].any():
-            continue
-        if not m:
-            prev = np.zeros((pp, n))
-            continue
         ik = index[key]
         old = last[:, :m]
         start = np.maximum(old, prev[column[key], :m])  # [stage, pipeline]
@@ -215,8 +214,6 @@ def _tail(last: np.ndarray, prev: np.ndarray, w: np.ndarray, counts: list[int], 
         wf, wb = w[:, 0, j].tolist(), w[:, 1, j].tolist()
         done, before = last[:, j].tolist(), prev[:, j].tolist()
         for ik, rk, fk, ck in zip(index, runs, forward, column):
-            if not any(rk):
-                continue  # as the loop: the previous key's finishes stay
             now = [0.0] * pp
             for s in stages:
                 i = ik[s]

@@ -13,7 +13,7 @@ import pytest
 
 import megatron_bytescale.planner.schedulers.balance as balance_mod
 from megatron_bytescale.data.synthetic import synthetic_lengths
-from megatron_bytescale.planner.estimate import estimate_plan
+from megatron_bytescale.planner.estimate import estimate_plan, micro_batch_costs
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import emit_plan
 from megatron_bytescale.planner.schedulers.candidate_time import finish_times, times_without_plan
@@ -109,6 +109,43 @@ def test_candidates_with_expert_groups_or_one_stage_are_estimated_from_their_pla
     assert times_without_plan(build_request(lengths, pp_size=2, ep_size=1, **base))
     assert not times_without_plan(build_request(lengths, pp_size=1, ep_size=1, **base))
     assert not times_without_plan(build_request(lengths, pp_size=2, ep_size=2, **base))
+    # barriers between groups of micro-batches (which the estimate walks as a graph)
+    with_barriers = replace(build_request(lengths, pp_size=2, ep_size=1, **base), meta={"barrier_after_orders": [3]})
+    assert not times_without_plan(with_barriers)
+
+
+def test_a_ring_across_a_boundary_of_the_given_node_map_and_the_kept_stage_times():
+    """A ring on ranks 2 and 3, one node apart only in the request's node map (3 + 1 + 4 ranks;
+    the cost model's 4 ranks per node would put them together), is timed as the plan's
+    estimate times it: across nodes. Called without a cache and with one: the same floats, the
+    cache then holds every placement with its stage time, and a time found there for the same
+    placement object is used as it is (so a reordered candidate is not costed again)."""
+    from megatron_bytescale.planner.schedulers._common import Placement, build_request
+
+    node_map = Topology.from_node_map([0, 0, 0, 1, 2, 2, 2, 2])
+    cm = small_cost_model(p2p_bandwidth_inter=1e6)  # a slow network: the crossing shows
+    request = build_request([3_000, 500, 700, 900, 400, 600, 800], scheduler="balance", hdp_size=8,
+                            capacity=2_048, pp_size=2, cost_model=cm, offload=False, overlong="error",
+                            context_length=None, align=1, delta=0.05, num_buckets=4, topology=node_map)
+    placements = [Placement(ring=(2, 3), seqs=(0,))] + [Placement(ring=(r,), seqs=(s,)) for r, s in
+                                                       ((0, 1), (1, 2), (4, 3), (5, 4), (6, 5), (7, 6))]
+    plan = emit_plan(replace(request, pieces=False), placements, scheduler="balance")
+    want = np.asarray(estimate_plan(plan, cm).rank_time_s)
+    regular = finish_times(replace(request, topology=None), placements, cm)
+    assert not np.array_equal(regular, want)  # the node map matters here
+    assert np.array_equal(finish_times(request, placements, cm), want)
+    seconds: dict = {}
+    assert np.array_equal(finish_times(request, placements, cm, seconds), want)
+    costs = micro_batch_costs(plan, cm)  # the stage time of order k, the k-th placement
+    assert seconds == {id(p): (p, t) for p, t in zip(placements, costs.seconds.tolist())}
+    assert costs.orders.tolist() == list(range(len(placements)))
+    # a kept time is used for the same object, not for an equal new one
+    ring = placements[0]
+    seconds[id(ring)] = (ring, seconds[id(ring)][1] * 10)
+    slower = finish_times(request, placements, cm, seconds)
+    assert slower[2] > want[2] and slower[3] > want[3]
+    fresh = [replace(p) for p in placements]
+    assert np.array_equal(finish_times(request, fresh, cm, seconds), want)
 
 
 @pytest.mark.parametrize("pp,hdp,two_level,seq_split", [(2, 8, False, False), (4, 16, True, False),

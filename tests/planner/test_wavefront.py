@@ -123,3 +123,16 @@ def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estim
             make_plan(lengths, scheduler="balance", hdp_size=hdp, capacity=2_048, cost_model=small_cost_model(),
                       pp_size=pp, context_length=16_384)
     assert len(seen) > 20 and any(seen)
+
+
+def test_no_pipelines_and_orders_without_a_duration():
+    """No pipelines at all: nothing to time. An order missing from the durations weighs nothing
+    (what ``order.simulate`` documents for its ``durations``), as in the graph walk."""
+    assert simulate_wavefront([], {}, 2, 0.5).shape == (0,)
+    assert pipelines_alone([], 3, 0.5).shape == (0,)
+    lists, dur = [[1, 2], [3, 2]], {2: 1.5}
+    got = simulate_wavefront(lists, dur, 2, 0.5)
+    assert np.array_equal(got, _simulate_pipelines(lists, dur, 2, 0.5, 2, False).rank_finish_s)
+    # only ring 2 weighs (1.5 s a stage): both members start it at 0, forward and back through
+    # 2 stages
+    assert got.tolist() == [3.0, 3.0]

@@ -51,15 +51,12 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     known = [cache.get(id(p)) for p in placements]
     times = [k[1] if k is not None and k[0] is p else None for k, p in zip(known, placements)]
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
-    holders: dict[int, list[int]] = {}
     for order, t in enumerate(times):
         if t is None:
             p = placements[order]
-            ring = tuple(map(int, p.ring))
-            seen[order] = (ring, tuple(map(int, p.seqs)), p.offload_ratio)
-            holders[order] = list(ring)
-    if seen:
-        costs = costs_of(seen, holders, dict(zip(request.ids, request.lengths)), cost_model, topo,
+            seen[order] = (tuple(map(int, p.ring)), tuple(map(int, p.seqs)), p.offload_ratio)
+    if seen:  # only the seconds are read: no holders (they go into the byte counts)
+        costs = costs_of(seen, {}, dict(zip(request.ids, request.lengths)), cost_model, topo,
                          align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
         for order, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
             times[order] = t
