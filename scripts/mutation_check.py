@@ -435,6 +435,60 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "assigning an equal value changes nothing"),
     ("*order.x_simulate__*", r"_deadlock_message\(plan, .*  ->  .*_deadlock_message\(None,",
      "_deadlock_message does not read its plan argument"),
+    # planner/wavefront.py: the same floats whatever these choose (test_wavefront.py compares every
+    # finish with the graph walk on 2,000 random plans, with the Python tail never and always taken)
+    ("*wavefront.x_*", r"np\.fromiter\(.*  ->  .*np\.fromiter\(.*(dtype=None|, \))",
+     "count only sizes fromiter's buffer; without a dtype it reads float64, which holds these "
+     "integers exactly (a dict finds 3.0 under 3, numpy indexes with the int results of unique)"),
+    ("*wavefront.x_*", r"np\.asarray\((pipeline|index|t|times), dtype=(np\.int64|float)\).*  ->  .*np\.asarray\(\1, (dtype=None)?\)",
+     "every caller passes int64 pipelines and indices and float times: asarray keeps them"),
+    ("*wavefront.x_*", r"np\.full\(\(n, depth\), (m|pad), dtype=np\.int64\).*  ->  .*np\.full\(\(n, depth\), \1, (dtype=None)?\)",
+     "np.full takes int64 from its integer fill value"),
+    ("*wavefront.x_simulate_wavefront_flat__*", r"first = np\.zeros\(m, dtype=np\.int64\)  ->  first = np\.zeros\(m, (dtype=None)?\)",
+     "first only holds list positions to compare with local: float64 holds them exactly"),
+    ("*wavefront.x_*", r'kind="stable"\).*  ->  .*kind="STABLE"\)',
+     "numpy reads sort kinds case-insensitively"),
+    ("*wavefront.x__run__*", r'by_count = np\.argsort\(-counts, kind="stable"\)  ->  by_count = np\.argsort\(-counts, (kind=None)?\)',
+     "any order of the pipelines gives the same times: a ring's start is a maximum over its members "
+     "wherever they sit, and the output is put back by by_count"),
+    ("*wavefront.x__run__*", r'side="left"\)  ->  .*-np\.arange\(depth\), \)', "searchsorted's default side is 'left'"),
+    ("*wavefront.x_*", r"depth = int\(counts\.max\(\)\) if n else 0  ->  depth = int\(counts\.max\(\)\) if n else 1",
+     "with no pipelines every table is empty whatever depth says: the result is an empty array"),
+    ("*wavefront.x_*", r"np\.append\(np\.asarray\((t|times), dtype=float\)(\[by_pipeline\])?, 0\.0\).*  ->  .*np\.asarray\(\1, dtype=float\)(\[by_pipeline\])?, 1\.0\)",
+     "the pad's weight is never added: a pad slot never runs (live is false there)"),
+    ("*wavefront.x_simulate_wavefront_flat__*", r"np\.append\(holders > 1, False\).*  ->  .*np\.append\(holders (>= 1, False|> 1, True)\)",
+     "a micro-batch taken as a ring of one member starts at the maximum over itself, the same start; "
+     "the pad's flag is masked by live"),
+    ("*wavefront.x_simulate_wavefront_flat__*", r"holders = np\.bincount\(index, minlength=m\)  ->  holders = np\.bincount\(index, \)",
+     "every micro-batch has a slot (each caller lists it on at least one pipeline), so the count "
+     "already has m entries"),
+    ("*wavefront.x__run__*", r"reach = np\.searchsorted\(-counts\[by_count\], -np\.arange\(depth\), side=\"left\"\)  ->  .*\+np\.arange",
+     "reach only bounds the pipelines a key touches: a larger one adds pipelines past their end, "
+     "whose pad slots never run"),
+    ("*wavefront.x__run__*", r"(ring_grid\[by_count\]\.T\) & live_grid|ring_t\[ik, :m\] & live)  ->  .*\|",
+     "a single-rank slot taken as a ring starts at the maximum over itself, the same start; a pad "
+     "never runs"),
+    ("*wavefront.x__run__*", r"forward = \(keys - stages\) % 2 == 0  ->  forward = \(keys \+ stages\) % 2 == 0",
+     "k + s and k - s have the same parity"),
+    ("*wavefront.x__run__*", r"\(keys - 2 \* pp \+ 1 \+ stages\) // 2\)  ->  .*\(keys - 2 \* pp \+ 2 \+ stages\) // 2\)",
+     "where a B runs, k - 2pp + 1 + s is even: one more floors to the same index"),
+    ("*wavefront.x__run__*", r"later_width|later_lowest|ring_free|python_from|tail_key",
+     "these only choose the key from which the rest runs in Python floats (the same maxima and "
+     "sums as the loop, exact once no ring is left, which later_lowest >= ring_free keeps true); a "
+     "later start, no Python tail, or more pipelines handed to it only cost time"),
+    ("*wavefront.x__run__*", r"buf = np\.zeros\(\(pad \+ 1\) \* pp\).*  ->  buf = np\.zeros\(\(pad \+ 2\) \* pp\)",
+     "a larger scratch buffer"),
+    ("*wavefront.x__run__*", r"slot = g\[ik, :m\]\[rings\] \* pp \+ stage_col.*  ->  .*\* pp - stage_col",
+     "o * pp - s is as one-to-one on (order, stage < pp) as o * pp + s; a negative slot wraps to the "
+     "pad order's entries, which no ring uses"),
+    ("*wavefront.x__tail__*", r"f = \(a if a >= b else b\).*  ->  f = \(a if a > b else b\)",
+     "the larger of two equal values"),
+    # planner/schedulers/candidate_time.py
+    ("*candidate_time.x_finish_times__*", r"(np\.fromiter\(.*|np\.array\(times, )(dtype=|count=).*  ->  .*(dtype=None|, \))",
+     "count only sizes fromiter's buffer; ring members, counts and times read without a dtype are "
+     "int64 and float64 anyway"),
+    ("*candidate_time.x_finish_times__*", r"costs = costs_of\(seen, \{\},.*  ->  costs = costs_of\(seen, None,",
+     "costs_of only hands the holders on to its result, of which finish_times reads the seconds"),
     # runtime/online_softmax.py
     ("*online_softmax.x_merge_partial_attention__*", r"block_lse\.to\(lse\.dtype\)  ->  .*\.to\(None\)",
      "tensor.to(None) is a no-op and type promotion computes in the accumulator's dtype anyway "
