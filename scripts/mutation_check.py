@@ -299,7 +299,8 @@ TARGETS = [
     Target("order", "planner/order.py (order, deadlock check)", "megatron_bytescale/planner/order.py",
            ("x_pipeline_ops", "x_rank_orders", "x__barrier_segments", "x_simulate", "x_check_deadlock_free"),
            ("tests/planner/test_planner_order_by_hand.py", "tests/planner/test_planner_order_estimate.py",
-            "tests/integration/test_guards.py")),
+            "tests/integration/test_guards.py", "tests/planner/test_wavefront.py",
+            "tests/planner/test_planner_fast_paths.py::test_pipeline_simulation_matches_the_general_graph")),
     Target("balance", "planner/schedulers/balance.py (candidates, DP-Balance choice)",
            "megatron_bytescale/planner/schedulers/balance.py",
            ("x_plan_balance", "x__plan_balance", "x__units_floor", "x__best_dp_assignment", "x__best_pp_plan"),
@@ -489,6 +490,14 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "int64 and float64 anyway"),
     ("*candidate_time.x_finish_times__*", r"costs = costs_of\(seen, \{\},.*  ->  costs = costs_of\(seen, None,",
      "costs_of only hands the holders on to its result, of which finish_times reads the seconds"),
+    ("*order.x_simulate__*", r"if pp > 1 and not barriers( and not record)?:  ->  if pp > 2 and not barriers",
+     "at PP 2 the next walk runs instead, with the same floats: the wavefront, the pipeline graph "
+     "and the general graph are compared op for op (test_wavefront.py, "
+     "test_pipeline_simulation_matches_the_general_graph)"),
+    ("*order.x_simulate__*", r"(finish = simulate_wavefront|fast = _simulate_pipelines)\(.*  ->  (finish|fast) = None$",
+     "the next walk runs instead, with the same floats (see the entry on `pp > 2`)"),
+    ("*dp_balance.x_makespan__*", r"return out\[1\] if \(out is not None\) or True else",
+     "makespan_below with no limit (inf) never returns None: no rank's finish reaches inf"),
     # runtime/online_softmax.py
     ("*online_softmax.x_merge_partial_attention__*", r"block_lse\.to\(lse\.dtype\)  ->  .*\.to\(None\)",
      "tensor.to(None) is a no-op and type promotion computes in the accumulator's dtype anyway "
