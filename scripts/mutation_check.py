@@ -308,7 +308,7 @@ TARGETS = [
             "tests/planner/test_planner_balance_scale.py::test_balance_is_within_ten_percent_of_the_lower_bounds",
             "tests/planner/test_planner_schedulers.py", "tests/planner/test_planner_pp_balance.py",
             "tests/planner/test_two_level_cost.py", "tests/planner/test_balance_candidate_choice.py",
-            "tests/planner/test_ep_slots.py")),
+            "tests/planner/test_ep_slots.py", "tests/planner/test_candidate_time.py")),
     Target("widen", "planner/schedulers/widen.py (widening)",
            "megatron_bytescale/planner/schedulers/widen.py",
            ("x_widen_for_balance", "x__smallest_ring_under", "x__ring_grid"),
@@ -498,6 +498,40 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the next walk runs instead, with the same floats (see the entry on `pp > 2`)"),
     ("*dp_balance.x_makespan__*", r"return out\[1\] if \(out is not None\) or True else",
      "makespan_below with no limit (inf) never returns None: no rank's finish reaches inf"),
+    # planner/schedulers/placement.py (RingPlacer)
+    ("*placement.xǁRingPlacerǁ__init____*", r"self\._monotone = bool\(np\.all\(np\.diff\(nodes\) >= 0\)\)  ->  ",
+     "_monotone only lets the walks over a sorted rank list stop early (equal loads run by rank, "
+     "so by node when nodes grow with the rank); every mutant makes it False (np.all(None) is "
+     "False), and the walks then go on to the same choice"),
+    ("*placement.xǁRingPlacerǁ_masked__*", r"np\.sort\(m, axis=1\).*  ->  .*np\.sort\(m, \)",
+     "np.sort sorts along the last axis by default, axis 1 of this 2-D array"),
+    *[(f"*placement.xǁRingPlacerǁ{method}__*", r"self\._view\(eligible\) if \(view is None\) or True else view",
+       "the sorted view is a function of the loads and the eligible mask: built again, it is the "
+       "view the caller passed") for method in ("_compact_sorted", "on_nodes")],
+    ("*placement.xǁRingPlacerǁon_nodes__*", r"held = np\.zeros\(len\(cand\), dtype=np\.int64\)  ->  held = np\.zeros\(len\(cand\), (dtype=None)?\)",
+     "held counts ranks: float64 holds the counts exactly and compares with d the same way"),
+    ("*placement.xǁRingPlacerǁfewest_nodes__*", r"(view = None if d <= self\.width and eligible is None|self\.compact\(d, eligible\) if view is None else|self\.on_nodes\(d, .*eligible, view=view\))",
+     "the sorted view is a function of the loads and the eligible mask, and eligible is only read "
+     "to build it: passing the view or building it again, with or without the mask once the view "
+     "is given, gives the same choice, and compact's in-node path is tested equal to the sorted "
+     "view's (test_compact_and_on_nodes_match_the_reference_on_tied_loads)"),
+    ("*placement.xǁRingPlacerǁfewest_nodes_ranked__*", r"if d > self\.width and choice\[0\] > earliest:  ->  if d >= self\.width",
+     "at d = width the search on min_nodes(d) = 1 node finds no start earlier than the compact "
+     "choice, which is already the best single node"),
+    ("*placement.xǁRingPlacerǁ_first_node_ranked__*", r"k < best\[1\]\):  ->  .*k <= best\[1\]\):",
+     "a row reaches d listed ranks once, so k never equals the best row"),
+    ("*placement.xǁRingPlacerǁ_on_nodes_ranked__*", r"at_least = \[0\] \* \(self\.width \+ 1\)  ->  at_least = \[0\] \* \(self\.width \+ 2\)",
+     "a longer table of counts: a node holds at most width ranks"),
+    ("*placement.xǁRingPlacerǁ_on_nodes_ranked__*", r"if len\(chosen\) >= d:  ->  if len\(chosen\) > d:",
+     "once d ranks are chosen every later node adds taken[k][:0], nothing"),
+    ("*balance.x_plan_balance__*", r"estimate=False\)\).*  ->  .*estimate=None\)\)",
+     "None is as false as False"),
+    ("*balance.x__best_pp_plan__*", r"seconds: dict = \{\}.*  ->  seconds: dict = None",
+     "the stage-time cache only saves costing a placement again: finish_times makes its own when "
+     "given none, with the same floats (test_stage_times_kept_for_the_placements_of_another_candidate)"),
+    ("*balance.x__best_pp_plan__*", r"candidate_finish_times\(request, placements, ctx\.cost_model, seconds\) if quick else None  ->  .*candidate_finish_times\(request, placements, ctx\.cost_model, (None)?\) if quick",
+     "the stage-time cache only saves costing a placement again: finish_times makes its own when "
+     "given none, with the same floats (test_stage_times_kept_for_the_placements_of_another_candidate)"),
     # runtime/online_softmax.py
     ("*online_softmax.x_merge_partial_attention__*", r"block_lse\.to\(lse\.dtype\)  ->  .*\.to\(None\)",
      "tensor.to(None) is a no-op and type promotion computes in the accumulator's dtype anyway "

@@ -172,3 +172,17 @@ def test_a_plan_whose_estimate_is_dropped_is_the_same_plan_built_without_one(pp,
     assert without.to_dict() == replace(with_estimate, estimate=None).to_dict()
     # the two-level wrapper estimates each of its two sizings once; nothing else is estimated
     assert calls["n"] == (2 if two_level else 0), calls
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_candidates_with_expert_groups_are_never_timed_without_their_plan(pp, monkeypatch):
+    """With expert groups the estimate times groups slot by slot, which the shortcut does not:
+    every candidate (and the level steps' ring phase) must be estimated from its plan."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a candidate with expert groups was timed without its plan")
+
+    monkeypatch.setattr(balance_mod, "candidate_finish_times", refuse)
+    lengths = synthetic_lengths("github", 60_000, seed=0, max_length=16_384)
+    plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=2_048, cost_model=small_cost_model(),
+                     ep_size=2, pp_size=pp, offload=False, context_length=16_384)
+    assert plan.meta["mode"] == "PP-Balance" and plan.estimate is not None

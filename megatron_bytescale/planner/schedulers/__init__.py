@@ -116,7 +116,7 @@ def make_plan(
         lengths, hdp_size=hdp_size, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
         offload=offload, overlong=overlong, align=align, context_length=context_length,
         delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
-        seq_split=seq_split, scheduler=scheduler, even_expert_slots=even_expert_slots, estimate=estimate,
+        seq_split=seq_split, scheduler=scheduler, even_expert_slots=even_expert_slots,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.

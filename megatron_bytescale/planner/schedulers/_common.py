@@ -57,9 +57,6 @@ class PlanRequest:
     seq_split: bool = False
     """Split PP-Balance's longest rings along the pipeline where the estimate says it pays and
     the kept prefix fits (:func:`..chunk_estimate.split_where_faster`)."""
-    estimate: bool = True
-    """False: the caller drops the plan's estimate (``make_plan(estimate=False)``, as the
-    simulator plans), so a scheduler need not attach one to its result."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
@@ -141,7 +138,6 @@ def build_request(
     seq_split: bool = False,
     scheduler: str = "balance",
     even_expert_slots: bool = True,
-    estimate: bool = True,
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -190,7 +186,7 @@ def build_request(
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
         topology=topology, pieces=bool(pieces), ep_size=ep_size, seq_split=seq_split,
-        even_expert_slots=even_expert_slots, estimate=bool(estimate),
+        even_expert_slots=even_expert_slots,
     )
 
 

@@ -118,7 +118,7 @@ def plan_balance(request: PlanRequest) -> StepPlan:
         return _plan_balance(request)
     best = None
     for sizing, model in (("two-level", cm), ("flat", cm.with_(two_level_ring=False))):
-        plan = _plan_balance(replace(request, cost_model=model, estimate=False))  # estimated below
+        plan = _plan_balance(replace(request, cost_model=model))
         plan = replace(plan, meta={**plan.meta, "ring_sizing": sizing},
                        estimate=estimate_plan(plan, cm, request.topology))
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
@@ -210,7 +210,8 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     set of :func:`.selective.unit_options`, then the list order), so skipping never changes
     the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
     floor no longer bounds the evened plan and the skip is a heuristic). Returns the plan and
-    the cost model it was estimated with."""
+    the cost model it was timed with; a winner timed without its plan comes back without an
+    estimate, which :func:`..make_plan` attaches (the same floats) when the caller keeps one."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
     best: tuple[float, tuple[int, int], StepPlan | None, tuple] | None = None
@@ -272,9 +273,8 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             if best is None or key < best[:2]:
                 best = (*key, plan, build)
     plan, (placements, meta, cost_model) = best[2], best[3]
-    if plan is None:  # timed without a plan: build the winner, with its estimate if the caller keeps it
-        plan = (_estimated(request, placements, meta, cost_model) if request.estimate
-                else emit_plan(request, placements, scheduler=NAME, meta=meta))
+    if plan is None:  # timed without a plan: build the winner; make_plan (or the two-level wrapper)
+        plan = emit_plan(request, placements, scheduler=NAME, meta=meta)  # estimates it if kept
     return plan, cost_model
 
 
