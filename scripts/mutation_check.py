@@ -532,6 +532,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__best_pp_plan__*", r"candidate_finish_times\(request, placements, ctx\.cost_model, seconds\) if quick else None  ->  .*candidate_finish_times\(request, placements, ctx\.cost_model, (None)?\) if quick",
      "the stage-time cache only saves costing a placement again: finish_times makes its own when "
      "given none, with the same floats (test_stage_times_kept_for_the_placements_of_another_candidate)"),
+    ("*pp_balance.x__place_rings_aligned__*", r"(\(x if x > 0\.0 else 0\.0\)|if x > 0\.0:).*  ->  .*(x if x >= 0\.0|if x >= 0\.0:)",
+     "at x = 0 (a micro-batch exactly as long as the pipeline's longest) both branches add 0 and "
+     "keep the longest at the same value"),
     # runtime/online_softmax.py
     ("*online_softmax.x_merge_partial_attention__*", r"block_lse\.to\(lse\.dtype\)  ->  .*\.to\(None\)",
      "tensor.to(None) is a no-op and type promotion computes in the accumulator's dtype anyway "
