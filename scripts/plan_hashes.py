@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_bytescale.data.synthetic import synthetic_lengths  # noqa: E402
-from megatron_bytescale.planner.presets import preset_cost_model, toy_cost_model as _toy_cost_model  # noqa: E402
+from megatron_bytescale.planner.presets import preset_cost_model, toy_cost_model  # noqa: E402
 from megatron_bytescale.planner.schedulers import make_plan  # noqa: E402
 from megatron_bytescale.planner.topology import Topology  # noqa: E402
 
@@ -57,7 +57,7 @@ def configurations(cells: bool) -> dict[str, callable]:
                             lengths = synthetic_lengths(ds, tokens, seed=seed, max_length=16_384)
                             topology = _irregular(hdp) if nodes == "irregular" else None
                             return make_plan(lengths, scheduler="balance", hdp_size=hdp, capacity=2_048,
-                                             cost_model=_toy_cost_model(two_level_ring=two_level), pp_size=pp,
+                                             cost_model=toy_cost_model(two_level_ring=two_level), pp_size=pp,
                                              offload=offload, topology=topology, context_length=16_384)
                         out[name] = plan
             for ep, pp in ((2, 1), (4, 1), (2, 2)):
@@ -66,7 +66,7 @@ def configurations(cells: bool) -> dict[str, callable]:
                 def plan(ds=ds, seed=seed, ep=ep, pp=pp):
                     lengths = synthetic_lengths(ds, 60_000, seed=seed, max_length=16_384)
                     return make_plan(lengths, scheduler="balance", hdp_size=8, capacity=2_048,
-                                     cost_model=_toy_cost_model(), ep_size=ep, pp_size=pp, offload=False,
+                                     cost_model=toy_cost_model(), ep_size=ep, pp_size=pp, offload=False,
                                      context_length=16_384)
                 out[name] = plan
     cm7 = preset_cost_model("llama-7b")
