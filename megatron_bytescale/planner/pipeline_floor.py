@@ -362,7 +362,46 @@ def time_plan(plan: StepPlan, cost_model: CostModel, *, vpp: int = 1, split_chun
                        rank_finish_s=sim.rank_finish_s, split_micro_batches=split)
 
 
+def idle_floor(stage_seconds: Sequence[float], pp: int, forward_fraction: float) -> float:
+    """Seconds stage 0 of one pipeline must idle under 1F1B (no virtual stages), whatever the
+    order of its list.
+
+    Why: the step of a plan is at least every pipeline's stage work plus this, which is the
+    lower bound PP-Balance is held to (``tests/planner/test_planner_balance_scale.py``,
+    docs/pipeline.md "The 1F1B floor of a pipeline's list"). Only the list's stage times count.
+
+    Proof. Stage 0 runs its ops in 1F1B order: ``p - 1`` warm-up forwards, then forward ``i + p
+    - 1`` and backward ``i`` alternately. So between the end of micro-batch ``j``'s forward and
+    the start of micro-batch ``j'``'s backward (``j`` before or equal to ``j'`` in the list) it
+    runs exactly: the forwards of ``j + 1 .. j' + p - 1`` and the backwards of ``j - p + 1 ..
+    j' - 1``. Meanwhile a chain of dependent ops must run: ``j``'s forward on stages ``1 .. p -
+    2``, the last stage's own ops from ``j``'s forward to ``j'``'s backward (it alternates one
+    forward, one backward), and ``j'``'s backward on stages ``p - 2 .. 1``: ``(p - 2)(f_j +
+    b_j') + sum_{i=j..j'} t_i``. Subtracting stage 0's work inside leaves an idle time of at
+    least ``(p - 1)(f_j + b_j') - sum_{i=j'+1..j'+p-1} f_i - sum_{i=j-p+1..j-1} b_i``. Take any
+    set S of the list, ``j`` its first and ``j'`` its last member in the order: the
+    ``2 (p - 1)`` ops subtracted belong to micro-batches outside S, and ``f_j + b_j'`` is at
+    least the shortest stage time in S (``f = forward_fraction * t``). With S = the ``k``
+    longest, the idle is at least ``(p - 1) t_k`` less the ``2 (p - 1)`` longest ops of the rest
+    (backwards, the larger share, given to the longest); the floor is the best ``k``. Ring
+    waits and transfers only add time, so the bound holds for the estimate and for training.
+    """
+    if pp < 1:
+        raise ValueError(f"pp ({pp}) must be >= 1")
+    if not 0.0 <= forward_fraction <= 1.0:
+        raise ValueError(f"forward_fraction ({forward_fraction}) must be within [0, 1]")
+    times = sorted((float(t) for t in stage_seconds), reverse=True)
+    if times and times[-1] < 0:
+        raise ValueError(f"stage times must be >= 0 (got {times[-1]})")
+    big, small = max(forward_fraction, 1 - forward_fraction), min(forward_fraction, 1 - forward_fraction)
+    best = 0.0
+    for k in range(1, len(times) + 1):
+        rest = times[k:k + 2 * (pp - 1)]
+        best = max(best, (pp - 1) * times[k - 1] - big * sum(rest[:pp - 1]) - small * sum(rest[pp - 1:]))
+    return best
+
+
 __all__ = [
-    "SPLIT_COSTINGS", "FloorResult", "ScheduleResult", "chunk_seconds", "interleaved_makespan", "interleaved_table",
-    "pipeline_stage_ops", "simulate_schedule", "stage_ops", "template_stage_ops", "time_plan",
+    "SPLIT_COSTINGS", "FloorResult", "ScheduleResult", "chunk_seconds", "idle_floor", "interleaved_makespan",
+    "interleaved_table", "pipeline_stage_ops", "simulate_schedule", "stage_ops", "template_stage_ops", "time_plan",
 ]
