@@ -13,7 +13,8 @@ the 'before' columns (the script uses only the public ``make_plan``). Then
     .venv/bin/python scripts/bench_pp_steps.py --before h100=BEFORE.json --before paper-fit=B2.json \
         --after h100=AFTER.json --after paper-fit=A2.json
 
-writes section ``pipeline-pp-steps`` of docs/benchmarks.md.
+writes section ``pipeline-pp-steps`` of docs/benchmarks.md (``--change next-levels-first``:
+section ``pipeline-next-levels``).
 """
 
 from __future__ import annotations
@@ -61,20 +62,35 @@ def _own(r: dict) -> bool:
     return not r["assignment"].startswith("fill")
 
 
-def section(before: dict, after: dict) -> str:
+# the changes this script has measured: --change NAME -> (section of docs/benchmarks.md, title, what before/after are)
+CHANGES = {
+    "level-steps": (
+        "pipeline-pp-steps", "PP-Balance's level steps",
+        "'before': the commit before the level steps (PP-Balance's runs, naive's fill as the "
+        "safety net); 'after': with the level steps (`planner/schedulers/pp_steps.py`). "
+        "'won' is the candidate kept; **bold**: naive's fill won, i.e. PP-Balance's own "
+        "assignment lost to naive. Why, and what changed: docs/pipeline.md, \"Why naive's "
+        "assignment won\"."),
+    "next-levels-first": (
+        "pipeline-next-levels", "the next levels first",
+        "'before': the commit before the next-levels-first candidate; 'after': with it "
+        "(`planner/schedulers/pp_balance.py: next_levels_first`, every candidate also tried with "
+        "each pipeline's next PP - 1 micro-batches before its first, so their backwards fill "
+        "the longest ring's 1F1B window). 'won' is the candidate kept; **bold**: naive's fill "
+        "won. Why: docs/pipeline.md, \"The next levels first\"."),
+}
+
+
+def section(before: dict, after: dict, change: str = "level-steps") -> str:
+    _, title, what = CHANGES[change]
     parts = [
-        "## Pipeline: PP-Balance's level steps on the Fig. 17 PP cells (`scripts/bench_pp_steps.py`)",
+        f"## Pipeline: {title} on the Fig. 17 PP cells (`scripts/bench_pp_steps.py --change {change}`)",
         "",
         machine_line() + " Planner estimates only, so step times are deterministic; planning "
         "CPU is the thread CPU time of one `make_plan(scheduler='balance')`, taken on a shared, "
         "loaded machine (noisy, up to ~2x).",
         "",
-        "Seed-0 32M-token batches, C = 8K, the paper's GPU counts and the preset's TP x PP. "
-        "'before': the commit before the level steps (PP-Balance's runs, naive's fill as the "
-        "safety net); 'after': with the level steps (`planner/schedulers/pp_steps.py`). "
-        "'won' is the candidate kept; **bold**: naive's fill won, i.e. PP-Balance's own "
-        "assignment lost to naive. Why, and what changed: docs/pipeline.md, \"Why naive's "
-        "assignment won\".",
+        "Seed-0 32M-token batches, C = 8K, the paper's GPU counts and the preset's TP x PP. " + what,
     ]
     for hw in sorted(after):
         a, b = after[hw], before.get(hw, {})
@@ -122,13 +138,15 @@ def main() -> None:
     ap.add_argument("--json", help="measure --hardware and save to this file (no docs written)")
     ap.add_argument("--before", action="append", default=[], help="HARDWARE=FILE measured on the older code")
     ap.add_argument("--after", action="append", default=[], help="HARDWARE=FILE measured now")
+    ap.add_argument("--change", default="level-steps", choices=sorted(CHANGES),
+                    help="which change the before/after files measure (section and wording)")
     args = ap.parse_args()
     if args.json:
         Path(args.json).write_text(json.dumps(measure(args.hardware), indent=1))
         return
     if not args.after:
         ap.error("pass --json to measure, or --after HARDWARE=FILE (and --before) to write the docs")
-    write_section("pipeline-pp-steps", section(_pairs(args.before), _pairs(args.after)))
+    write_section(CHANGES[args.change][0], section(_pairs(args.before), _pairs(args.after), args.change))
 
 
 if __name__ == "__main__":

@@ -401,7 +401,63 @@ def idle_floor(stage_seconds: Sequence[float], pp: int, forward_fraction: float)
     return best
 
 
+def assignment_floor(micro_batches: Sequence[tuple[float, int]], pipelines: int, pp: int,
+                     forward_fraction: float, *, longest: int = 64) -> float:
+    """A lower bound on the 1F1B step of any plan of these micro-batches, whatever the pipelines
+    they go to and their order: ``micro_batches`` holds ``(stage seconds, ring size)`` pairs.
+
+    Why: :func:`idle_floor` bounds one pipeline's own list, and averaged over a plan's pipelines
+    it cannot see granularity: a ring that no pipeline can take without passing the others. This
+    bound can, and depends on no assignment.
+
+    Proof. A pipeline holding ``k`` micro-batches of at least ``tau`` takes at least
+    ``(k + p - 1) tau``: by :func:`idle_floor` with S those ``k``, its idle is at least
+    ``(p - 1) tau`` less ``2 (p - 1)`` weighted ops of the rest, which the rest's own stage work
+    covers. A pipeline holding one of at least ``tau1`` and another of at least ``tau2`` takes at
+    least ``p tau1 + min(f, 1 - f) tau2`` (S the first: the other is at most a ``max(f, 1 - f)``
+    share in the window and counts in full in the work). Sort the micro-batches longest first;
+    call the first ones, down to stage time ``tau1``, long (``N1`` member slots) and the next
+    ones, down to ``tau2``, medium (``N2`` slots). In
+    any plan either a pipeline holds two long ones (``(p + 1) tau1``), or one holds a long and a
+    medium one (``p tau1 + min(f, 1 - f) tau2``), or neither: then exactly ``N1`` pipelines hold
+    the long ones, and the medium slots lie on the other ``P - N1``, so one holds at least
+    ``ceil(N2 / (P - N1))`` of them. The step is at least the smallest of the three, for every
+    pair ``tau1 > tau2``; ``tau1`` is tried at the ``longest`` longest stage times and at none
+    (no long ones: plain pigeonhole), ``tau2`` at every stage time below it.
+    """
+    if pipelines < 1 or pp < 1:
+        raise ValueError(f"pipelines ({pipelines}) and pp ({pp}) must be >= 1")
+    if not 0.0 <= forward_fraction <= 1.0:
+        raise ValueError(f"forward_fraction ({forward_fraction}) must be within [0, 1]")
+    if not micro_batches:
+        return 0.0
+    order = sorted(micro_batches, key=lambda x: -x[0])
+    t = np.array([float(x[0]) for x in order])
+    d = np.array([int(x[1]) for x in order], dtype=np.int64)
+    if t[-1] < 0 or d.min() < 1 or d.max() > pipelines:
+        raise ValueError(f"stage times must be >= 0 and ring sizes within 1..{pipelines} "
+                         f"(got {t[-1]} s, ring sizes {d.min()}..{d.max()})")
+    small = min(forward_fraction, 1.0 - forward_fraction)
+    slots = np.cumsum(d)
+    best = 0.0
+    for i in range(-1, min(longest, len(t))):
+        n1 = int(slots[i]) if i >= 0 else 0
+        tau1 = float(t[i]) if i >= 0 else np.inf
+        if n1 > pipelines:  # two long ones share a pipeline
+            best = max(best, (pp + 1) * tau1)
+            continue
+        tau2 = t[i + 1:]
+        if not len(tau2):
+            continue
+        n2 = slots[i + 1:] - n1
+        free = pipelines - n1
+        most = np.ceil(n2 / free) if free > 0 else np.full(len(tau2), np.inf)
+        value = np.minimum(np.minimum((pp + 1) * tau1, pp * tau1 + small * tau2), (most + pp - 1) * tau2)
+        best = max(best, float(value.max()))
+    return best
+
+
 __all__ = [
-    "SPLIT_COSTINGS", "FloorResult", "ScheduleResult", "chunk_seconds", "idle_floor", "interleaved_makespan",
+    "SPLIT_COSTINGS", "FloorResult", "ScheduleResult", "assignment_floor", "chunk_seconds", "idle_floor", "interleaved_makespan",
     "interleaved_table", "pipeline_stage_ops", "simulate_schedule", "stage_ops", "template_stage_ops", "time_plan",
 ]

@@ -23,10 +23,17 @@ pipeline's stage work plus that floor, so at least their mean over the pipelines
 not the slowest pipeline, so an unbalanced assignment does not raise its own bound). The floor
 is of the plan's own lists: it says no order of them beats it, not that no other assignment
 could; the work and critical-path terms, which any assignment of the same rings must meet,
-stay in the bound. Before the floor was counted, five cases missed max(work, pp x critical
-path) by 1.16-1.55x; in four of them the floor alone is 1.15-1.42x above that bound, so no
-1F1B order of their lists could reach it (docs/pipeline.md, "The 1F1B floor of a pipeline's
-list"). Two cases still miss: strict expected failures, the measured ratio in the reason.
+stay in the bound, with a fourth term that needs no assignment:
+``planner.pipeline_floor.assignment_floor``, a pigeonhole argument on two length levels (some
+pipeline takes two long micro-batches, a long and a medium one, or its share of the medium
+ones). All terms are of the plan's own micro-batches, so a plan that wins with other rings is
+held to their bounds, which can be lower: byted-1024-pp2 measured 1.038x with the runs' rings
+and, since the next-levels-first candidate wins there with the level steps' rings (32.29 s
+against 32.50 s), 1.127x. Before the floors were counted, five cases missed max(work, pp x
+critical path) by 1.16-1.55x; in four of them the mean floor alone is 1.15-1.42x above that
+bound, so no 1F1B order of their lists could reach it (docs/pipeline.md, "The 1F1B floor of a
+pipeline's list"). Two cases still miss: strict expected failures, the measured ratio in the
+reason.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import numpy as np
 import pytest
 
 from megatron_bytescale.data.synthetic import synthetic_lengths
-from megatron_bytescale.planner.pipeline_floor import idle_floor
+from megatron_bytescale.planner.pipeline_floor import assignment_floor, idle_floor
 from megatron_bytescale.planner.presets import preset_cost_model
 from megatron_bytescale.planner.schedulers import make_plan
 
@@ -198,11 +205,56 @@ def test_the_pipeline_floor_refuses_bad_input(args, match):
         idle_floor(*args)
 
 
+def best_plan_alone(micro_batches, pipelines: int, pp: int, phi: float) -> float:
+    """min over every assignment (ring members distinct) and order of the slowest pipeline run
+    alone: what no plan of these micro-batches beats (rendezvous only add waiting)."""
+    choices = [list(itertools.combinations(range(pipelines), d)) for _, d in micro_batches]
+    best = np.inf
+    for members in itertools.product(*choices):
+        lists = [[t for (t, _), ring in zip(micro_batches, members) if p in ring] for p in range(pipelines)]
+        slowest = max(min(one_pipeline_1f1b([times[i] for i in order], pp, phi)
+                          for order in itertools.permutations(range(len(times))))
+                      if times else 0.0 for times in lists)
+        best = min(best, slowest)
+    return best
+
+
+def test_no_plan_beats_the_assignment_floor_and_its_two_levels_see_past_pigeonhole():
+    phi = CM.forward_fraction
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        pipelines, pp = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        mbs = [(float(rng.choice([0.5, 2.0, 6.0, 10.0])), int(rng.integers(1, pipelines + 1)))
+               for _ in range(int(rng.integers(1, 5)))]
+        assert assignment_floor(mbs, pipelines, pp, phi) <= best_plan_alone(mbs, pipelines, pp, phi) + 1e-9, (mbs, pp)
+    # a long ring on 2 of 3 pipelines and three medium micro-batches: either a ring member takes a
+    # medium one (at least 2 x 10 + 6 / 3 = 22; 24 in fact) or the third pipeline takes all three
+    # (4 x 6 = 24). Plain pigeonhole (no long level) sees only the ring: 2 x 10
+    mbs = [(10.0, 2), (6.0, 1), (6.0, 1), (6.0, 1)]
+    assert best_plan_alone(mbs, 3, 2, phi) == pytest.approx(24.0)
+    assert assignment_floor(mbs, 3, 2, phi) == pytest.approx(22.0)
+    assert assignment_floor(mbs, 3, 2, phi, longest=0) == pytest.approx(20.0)
+    # equal micro-batches on one pipeline each: (m / P + pp - 1) t
+    assert assignment_floor([(2.0, 1)] * 6, 3, 4, phi) == pytest.approx((2 + 3) * 2.0)
+    assert assignment_floor([], 3, 2, phi) == 0.0
+
+
+@pytest.mark.parametrize("args, match", [
+    (([(1.0, 1)], 0, 2, 0.3), r"pipelines \(0\) and pp \(2\)"),
+    (([(1.0, 1)], 2, 2, -0.1), r"forward_fraction \(-0.1\)"),
+    (([(1.0, 3)], 2, 2, 0.3), r"ring sizes within 1..2"),
+    (([(-1.0, 1)], 2, 2, 0.3), r"got -1.0 s"),
+])
+def test_the_assignment_floor_refuses_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        assignment_floor(*args)
+
+
 PP_CASES = [
     # (dataset, ranks, pp, measured step / bound when it misses)
     ("github", 1024, 2, None),
     ("github", 1024, 4, None),
-    ("byted", 1024, 2, 1.106),
+    ("byted", 1024, 2, 1.127),
     ("byted", 1024, 4, None),
     ("byted", 256, 2, None),
     ("github", 256, 4, 1.102),
@@ -213,7 +265,7 @@ PP_CASES = [
 
 def _pp_case(dataset, ranks, pp, missed):
     marks = () if missed is None else pytest.mark.xfail(
-        strict=True, reason=f"PP-Balance measures {missed:.3f}x the bound (its slowest pipelines sit above the mean)")
+        strict=True, reason=f"PP-Balance measures {missed:.3f}x the bound (its slowest pipelines sit above the mean floor)")
     return pytest.param(dataset, ranks, pp, marks=marks, id=f"{dataset}-{ranks}-pp{pp}")
 
 
@@ -223,14 +275,18 @@ def test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds(dataset, ran
                      cost_model=CM, context_length=CONTEXT, offload=True, pp_size=pp)
     assert plan.meta["mode"] == "PP-Balance" and plan.layers_per_stage == CM.num_layers // pp
     per_pipeline: list[list[float]] = [[] for _ in range(ranks)]
+    sized = []
     for ring, lengths, ratio in micro_batches(plan).values():
         seconds = member_seconds(plan, ring, lengths, ratio)
+        sized.append((seconds, len(ring)))
         for member in ring:
             per_pipeline[member].append(seconds)
     work = sum(map(sum, per_pipeline)) / ranks
     floor = sum(sum(t) + idle_floor(t, pp, CM.forward_fraction) for t in per_pipeline) / ranks
-    bound = max(work, pp * critical_path(plan), floor)
+    granular = assignment_floor(sized, ranks, pp, CM.forward_fraction)
+    bound = max(work, pp * critical_path(plan), floor, granular)
     step = plan.estimate.step_time_s
     assert step >= bound * (1 - 1e-9), "the bound is not a lower bound"
     assert step <= BOUND * bound, (
-        f"step {step:.2f} s = {step / bound:.3f} x max(work {work:.2f} s, critical path, 1F1B floor {floor:.2f} s)")
+        f"step {step:.2f} s = {step / bound:.3f} x max(work {work:.2f} s, critical path, 1F1B floor "
+        f"{floor:.2f} s, assignment floor {granular:.2f} s)")

@@ -43,7 +43,9 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
    Each candidate is also tried with every pipeline running its shortest micro-batch after its
    last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
-   aligned. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
+   aligned; and with the next ``PP - 1`` levels before the first (:func:`.pp_balance.
+   next_levels_first`): their backwards fill the 1F1B window of the longest ring, which
+   otherwise idles. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
    lockstep time steps with the single-rank units longest first beside them (one length level
    per step on every pipeline, so the transitions between levels fall at the same local index
    everywhere), and the units left after the last ring given longest first to the pipeline
@@ -52,7 +54,7 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    in shape; docs/pipeline.md, "Why naive's assignment won"); the level steps win there.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
    loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
-   also short-first), over both unit sets; ``meta["assignment"]``
+   also short-first and next-levels-first), over both unit sets; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
@@ -93,7 +95,7 @@ from .candidate_time import finish_times as candidate_finish_times, times_withou
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
-from .pp_balance import alone_floors, pipeline_floor, pp_balance, short_first
+from .pp_balance import alone_floors, next_levels_first, pipeline_floor, pp_balance, short_first
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
@@ -247,6 +249,9 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             if moved is not None:
                 candidates.append((name + "+short-first", moved, grown, units_of))
             candidates.append((name, placements, grown, units_of))
+            lifted = next_levels_first(placements, request.pp_size - 1)
+            if lifted is not None:
+                candidates.append((name + "+next-levels-first", lifted, grown, units_of))
         floors = alone_floors([(c[1], c[3]) for c in candidates], ctx, request.pp_size)
         ranked = []
         for floor, (name, placements, grown, units_of) in zip(floors, candidates):

@@ -252,3 +252,45 @@ def short_first(placements: Sequence[Placement], units: Sequence[Unit]) -> list[
     moved = sorted(k for _, k in first.values())
     taken = set(moved)
     return [placements[k] for k in moved] + [p for k, p in enumerate(placements) if k not in taken]
+
+
+def next_levels_first(placements: Sequence[Placement], lead: int) -> list[Placement] | None:
+    """``placements`` with every pipeline's micro-batches at local positions ``1 .. lead`` moved
+    before the one at position 0, shortest level first (positions ``lead, lead - 1, .., 1``,
+    then 0), or None when that would put a ring at different local indices on its members.
+
+    Why: PP-Balance puts a pipeline's longest micro-batch (its widest ring) first and the next
+    levels after it. Under 1F1B, while that micro-batch crosses the other ``pp - 1`` stages
+    forward and back, stage 0 can only run the forwards of the ``pp - 1`` after it and the
+    backwards of the ``pp - 1`` before it (:func:`..pipeline_floor.idle_floor`). With nothing
+    before it the backward half of that window is empty; with the next ``lead = pp - 1``
+    levels before it their backwards, the larger share, fill it. Shortest first keeps the
+    later stages' start early. Level steps hold one length level per step on every pipeline,
+    so the same positions carry about the same work everywhere and the ring's members arrive
+    at it together; where they do not, the estimate decides (this is one more candidate).
+
+    Every pipeline with more than ``lead`` micro-batches permutes positions ``0 .. lead``
+    among themselves, so rings keep their local index relation; a pipeline with fewer is
+    checked, as is every ring, against the reordered lists."""
+    if lead < 1:
+        return None
+    count: dict[int, int] = {}
+    keys = []
+    for k, p in enumerate(placements):
+        i = count.get(p.ring[0], 0)
+        for r in p.ring:
+            if count.get(r, 0) != i:
+                return None  # not aligned to begin with
+            count[r] = i + 1
+        keys.append((lead - i if 1 <= i <= lead else (lead if i == 0 else i), k))
+    if not any(c > 1 for c in count.values()):
+        return None  # nothing to move before position 0
+    out = [placements[k] for _, k in sorted(keys)]
+    count.clear()
+    for p in out:
+        i = count.get(p.ring[0], 0)
+        for r in p.ring:
+            if count.get(r, 0) != i:
+                return None
+            count[r] = i + 1
+    return out
