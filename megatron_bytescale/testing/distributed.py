@@ -1,7 +1,9 @@
 """Run a function on N CPU processes with a gloo process group, for tests and the CPU demo.
 
-Spawning costs seconds of imports per process on a 2-core machine, so tests start one group
-of processes and run many checks inside it. Failures come back as the child's traceback;
+A fresh process spends 3-8 s of CPU importing torch and megatron-core, so tests start one group
+of processes and run many checks inside it, and the processes are forked from a server that
+imported those once (``multiprocessing``'s fork server, :data:`PRELOAD`); each gets the parent's
+environment, working folder and ``sys.path`` of the moment it starts, as a spawned one would. Failures come back as the child's traceback;
 a hang comes back as a timeout error naming the ranks that did not finish, never as a stuck
 test run.
 """
@@ -20,6 +22,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+#: What the fork server imports once for every process forked from it (a missing one is skipped).
+PRELOAD = ("numpy", "torch", "torch.distributed", "megatron.core",
+           "megatron.core.pipeline_parallel", "megatron.core.models.gpt")
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (first use)
+    return ctx
+
+
 class DistributedTestError(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
@@ -33,7 +46,11 @@ def _child(
     results: "mp.Queue",
     timeout_s: float,
     hard_exit: bool = False,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # the fork server's environment is that of its start
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -64,7 +81,7 @@ def run_distributed(
     timeout_s: float = 300.0,
     hard_exit: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes.
 
     ``fn`` must be importable (a module-level function). Returns the per-rank return values
     (which must be picklable) in rank order. Raises :class:`DistributedTestError` with every
@@ -76,14 +93,15 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: "mp.Queue" = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="bytescale-dist-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_child,
-                args=(rank, world_size, init_file, fn, args, results, timeout_s, hard_exit),
+                args=(rank, world_size, init_file, fn, args, results, timeout_s, hard_exit,
+                      dict(os.environ)),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -53,8 +56,52 @@ def test_a_read_only_tree_is_copied_writable_and_patched_without_being_touched(
             os.chmod(path, os.stat(path).st_mode | stat.S_IWUSR)
 
 
-def test_a_run_that_times_out_leaves_no_process_behind(patched_megatron_lm, tmp_path):
-    run = run_pretrain_gpt(patched_megatron_lm, "--help", ranks=2, cwd=tmp_path, timeout_s=4)
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_a_run_that_times_out_leaves_no_process_behind(patched_megatron_lm, tmp_path, launcher):
+    run = run_pretrain_gpt(patched_megatron_lm, "--help", ranks=2, cwd=tmp_path, timeout_s=4,
+                           launcher=launcher)
     assert run.timed_out and run.returncode == 124
+    left = [p.pid for p in psutil.process_iter(["cwd"]) if p.info["cwd"] == str(tmp_path)]
+    assert left == []
+
+
+_RANK_SCRIPT = """
+import os, sys, time
+print("RANK", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"],
+      os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], sys.argv[1:], flush=True)
+if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
+    raise SystemExit(3)
+if os.environ.get("FAIL_RANK"):
+    time.sleep(120)  # the launcher must stop this rank when the other one fails
+"""
+
+
+def _forked(tmp_path, ranks: int, **env: str) -> "subprocess.CompletedProcess[str]":
+    """``cpu_pretrain.run_forked`` on a small script, in a process of its own (it forks)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANK_SCRIPT)
+    code = ("import sys; from megatron_bytescale.testing.cpu_pretrain import run_forked; "
+            f"sys.exit(run_forked({ranks}, [{str(script)!r}, '--flag', 'x'], grace_s=2))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=90, cwd=tmp_path, env={**os.environ, **env})
+
+
+@pytest.mark.one_lane(reason="the test launcher's forking, the same with any megatron-core")
+def test_forked_ranks_get_the_environment_torchrun_gives(tmp_path):
+    run = _forked(tmp_path, 3)
+    assert run.returncode == 0, run.stderr
+    lines = sorted(x.split() for x in run.stdout.splitlines() if x.startswith("RANK"))
+    assert [x[1:4] for x in lines] == [[str(r), str(r), "3"] for r in range(3)]
+    assert len({x[5] for x in lines}) == 1 and all(x[4] == "127.0.0.1" for x in lines)
+    assert all(x[6:] == ["['--flag',", "'x']"] for x in lines)
+
+
+@pytest.mark.one_lane(reason="the test launcher's forking, the same with any megatron-core")
+def test_a_failed_forked_rank_stops_the_others_and_gives_its_exit_code(tmp_path):
+    start = time.monotonic()
+    run = _forked(tmp_path, 2, FAIL_RANK="1")
+    assert run.returncode == 3, run.stderr
+    assert "rank 1 exited with 3; stopping the other ranks" in run.stderr
+    assert time.monotonic() - start < 60  # not the surviving rank's 120 s sleep
     left = [p.pid for p in psutil.process_iter(["cwd"]) if p.info["cwd"] == str(tmp_path)]
     assert left == []

@@ -119,9 +119,11 @@ RAMPUP = [*batch_size_ramp_flags([2, 2, 4], global_batch_size=4, seq_length=512)
 STEP_SAMPLES = [2, 2, 4, 4]
 
 
-def _pretrain(tree: PatchedMegatronLM, workdir: Path, ranks: int, *flags: str) -> str:
+def _pretrain(tree: PatchedMegatronLM, workdir: Path, ranks: int, *flags: str,
+              launcher: str = "fork") -> str:
     """Run the patched pretrain_gpt.py on ``ranks`` CPU processes; its stdout."""
-    run = run_pretrain_gpt(tree, *PRETRAIN_FLAGS, *flags, ranks=ranks, cwd=workdir)
+    run = run_pretrain_gpt(tree, *PRETRAIN_FLAGS, *flags, ranks=ranks, cwd=workdir,
+                           launcher=launcher)
     assert run.returncode == 0, run.tail()
     return run.stdout
 
@@ -145,7 +147,8 @@ def pretrain_runs(patched_megatron_lm, tmp_path_factory):
     runs["tensorboard"] = workdir / "tensorboard"
     runs[2] = _pretrain(patched_megatron_lm, workdir, 2, *data, "--bytescale-capacity", "256",
                         "--save", str(runs["ckpt"]), "--save-interval", "2",
-                        "--tensorboard-dir", str(runs["tensorboard"]))
+                        "--tensorboard-dir", str(runs["tensorboard"]),
+                        launcher="torchrun")  # as users launch it; the other runs fork
     runs[1] = _pretrain(patched_megatron_lm, workdir, 1, *data, "--bytescale-capacity", "512")
     return runs
 
