@@ -14,7 +14,7 @@ the 'before' columns (the script uses only the public ``make_plan``). Then
         --after h100=AFTER.json --after paper-fit=A2.json
 
 writes section ``pipeline-pp-steps`` of docs/benchmarks.md (``--change next-levels-first``:
-section ``pipeline-next-levels``).
+section ``pipeline-next-levels``; ``--change window-and-singles``: ``pipeline-window-singles``).
 """
 
 from __future__ import annotations
@@ -78,6 +78,14 @@ CHANGES = {
         "each pipeline's next PP - 1 micro-batches before its first, so their backwards fill "
         "the longest ring's 1F1B window). 'won' is the candidate kept; **bold**: naive's fill "
         "won. Why: docs/pipeline.md, \"The next levels first\"."),
+    "window-and-singles": (
+        "pipeline-window-singles", "the window load and singles first",
+        "'before': the commit before them; 'after': with a third PP-Balance load (stage work "
+        "plus the idle of each pipeline's longest micro-batch with its 1F1B window filled, "
+        "`pp_balance(window=PP - 1)`) and every candidate also tried with PP - 1 single-rank "
+        "micro-batches lifted before each ring pipeline's first "
+        "(`planner/schedulers/pp_balance.py: singles_first`). 'won' is the candidate kept; "
+        "**bold**: naive's fill won. Why: docs/pipeline.md, \"The window load and singles first\"."),
 }
 
 

@@ -423,7 +423,8 @@ def assignment_floor(micro_batches: Sequence[tuple[float, int]], pipelines: int,
     the long ones, and the medium slots lie on the other ``P - N1``, so one holds at least
     ``ceil(N2 / (P - N1))`` of them. The step is at least the smallest of the three, for every
     pair ``tau1 > tau2``; ``tau1`` is tried at the ``longest`` longest stage times and at none
-    (no long ones: plain pigeonhole), ``tau2`` at every stage time below it.
+    (no long ones: plain pigeonhole), ``tau2`` at every stage time below it. The first case is
+    never the smallest (``min(f, 1 - f) tau2 <= tau1``), so only the other two are computed.
     """
     if pipelines < 1 or pp < 1:
         raise ValueError(f"pipelines ({pipelines}) and pp ({pp}) must be >= 1")
@@ -452,7 +453,7 @@ def assignment_floor(micro_batches: Sequence[tuple[float, int]], pipelines: int,
         n2 = slots[i + 1:] - n1
         free = pipelines - n1
         most = np.ceil(n2 / free) if free > 0 else np.full(len(tau2), np.inf)
-        value = np.minimum(np.minimum((pp + 1) * tau1, pp * tau1 + small * tau2), (most + pp - 1) * tau2)
+        value = np.minimum(pp * tau1 + small * tau2, (most + pp - 1) * tau2)
         best = max(best, float(value.max()))
     return best
 

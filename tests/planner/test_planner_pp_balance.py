@@ -13,6 +13,7 @@ import pytest
 
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers.balance import pp_balance
+from megatron_bytescale.planner.schedulers.pp_balance import PipelineLoad
 from megatron_bytescale.planner.schedulers.pp_steps import level_steps
 from megatron_bytescale.planner.sharding import ShardingContext, Unit
 from planner_cases import small_cost_model
@@ -128,6 +129,57 @@ def test_fill_drain_charges_each_pipeline_its_longest_micro_batch():
     assert loads(placements, units, 4, fill_drain=1) == pytest.approx([0.8, 0.8, 0.7, 0.0])
 
 
+def window_loads(placements, units, n, window, forward_fraction):
+    """Per-pipeline window load recomputed independently: stage work + the idle of the longest
+    with the next ``window`` at the larger share and the ``window`` after them at the smaller."""
+    t = {u.seqs[0]: u.time for u in units}
+    big = max(forward_fraction, 1 - forward_fraction)
+    out = []
+    for seqs in by_rank(placements, n):
+        times = sorted((t[s] for s in seqs), reverse=True)
+        idle = (window * times[0] - big * sum(times[1:window + 1])
+                - (1 - big) * sum(times[window + 1:2 * window + 1])) if times else 0.0
+        out.append(sum(times) + max(idle, 0.0))
+    return out
+
+
+def test_the_window_load_gives_a_long_rings_pipelines_what_hides_beside_it():
+    """PP 2 (window 1, forward share 1/3), a ring of 2 (1.0 s) on pipelines 0, 1 (load 1.0 + the
+    idle 1.0 = 2.0), singles 0.9, 0.8, 0.7, 0.6, 0.5 on 3 pipelines (delta 0). Pipeline 2 takes
+    0.9 (load 1.8); 0.8 would make it 1.7 + (0.9 - 2/3 0.8) = 2.067 > 2.0, so the run stops, and
+    in the next round it is the only target and takes it. Pipelines 0 and 1 then take 0.7
+    (1.7 + 1.0 - 2/3 0.7 = 2.233) and 0.6 (2.2): each hides 2/3 of it in the ring's window.
+    Pipeline 2, the lightest, takes 0.5 (2.2 + 0.9 - 2/3 0.8 - 1/3 0.5 = 2.4). The fill-and-drain
+    load charges the ring's pipelines the singles in full and gives pipeline 1 two of them."""
+    units = [unit(0, 2000, ring=2), unit(1, 900), unit(2, 800), unit(3, 700), unit(4, 600), unit(5, 500)]
+    assert CM.forward_fraction == pytest.approx(1 / 3)
+    placements = pp_balance(units, ctx(3), 3, delta=0.0, num_buckets=1, window=1)
+    assert by_rank(placements, 3) == [[0, 3], [0, 4], [1, 2, 5]]
+    assert window_loads(placements, units, 3, 1, 1 / 3) == pytest.approx([2.2333333, 2.2, 2.4])
+    assert by_rank(pp_balance(units, ctx(3), 3, delta=0.0, num_buckets=1, fill_drain=1), 3) == [
+        [0, 3], [0, 4, 5], [1, 2]]
+
+
+def test_the_window_load_counts_the_next_window_at_the_larger_share_and_then_the_smaller():
+    """PP 3 (window 2): a ring of 2 (2.0 s) on pipelines 0, 1 and singles 1.0 x 5 on 2 of 4
+    pipelines' worth: on its own a pipeline of the ring is at 2.0 + 2 x 2.0 = 6.0; the first two
+    singles hide 2/3 each (6.0 + 2 x 1/3), the next two 1/3 each (+ 2 x 2/3), the fifth nothing."""
+    load = PipelineLoadProbe(window=2, forward_fraction=1 / 3)
+    steps = [load.add(2.0)] + [load.add(1.0) for _ in range(5)]
+    assert steps == pytest.approx([6.0, 6 + 1 / 3, 6 + 2 / 3, 7 + 1 / 3, 8.0, 9.0])
+
+
+class PipelineLoadProbe:
+    """One pipeline of pp_balance's window load: its load after each micro-batch."""
+
+    def __init__(self, window: int, forward_fraction: float) -> None:
+        self.load = PipelineLoad(1, 0, window, forward_fraction)
+
+    def add(self, t: float) -> float:
+        self.load.add(0, t)
+        return self.load.loads[0]
+
+
 def test_a_ring_moves_onto_one_node_inside_its_count_group():
     """6 pipelines on 2 nodes (0-3, 4-5). A ring of 3 takes 0, 1, 2; the ring of 2 goes to the
     count group {3, 4, 5} (no ring yet), whose least-loaded pair 3, 4 straddles the nodes: it
@@ -207,10 +259,10 @@ def test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest():
     {3, 2} (loads 2, 9: it could start at 9) and {0, 1} (2.5, 3.5: at 3.5). It must go to 0 and
     1; a group ranked by its least load instead of its d-th least would put it on 2 and 3."""
     from megatron_bytescale.planner.schedulers.placement import RingPlacer
-    from megatron_bytescale.planner.schedulers.pp_balance import _PipelineLoad, _place_rings_aligned
+    from megatron_bytescale.planner.schedulers.pp_balance import PipelineLoad, _place_rings_aligned
 
     c = ctx(4)
-    load = _PipelineLoad(4, 0)
+    load = PipelineLoad(4, 0)
     load.loads[:] = [0.0, 1.0, 9.0, 2.0]
     first, second = unit(0, 5000, ring=2), unit(1, 1000, ring=2)
     placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 4), load)

@@ -16,7 +16,7 @@ from megatron_bytescale.planner.presets import toy_cost_model
 from megatron_bytescale.planner.schedulers import balance as balance_module
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import Placement
-from megatron_bytescale.planner.schedulers.pp_balance import next_levels_first
+from megatron_bytescale.planner.schedulers.pp_balance import local_indices, next_levels_first
 
 
 def _placements(rings):
@@ -66,6 +66,18 @@ def test_nothing_to_move_unaligned_input_or_no_lead_gives_up():
     assert next_levels_first([], 2) is None
 
 
+def test_two_micro_batches_swap_at_lead_one():
+    assert _lists(next_levels_first(_placements([(0,), (1,), (0,), (1,)]), 1)) == {0: [2, 0], 1: [3, 1]}
+    assert _lists(next_levels_first(_placements([(0, 1), (0, 1)]), 1)) == {0: [1, 0], 1: [1, 0]}
+
+
+def test_local_indices_count_what_each_rings_members_ran_before_it():
+    assert local_indices(_placements([(0, 1), (0,), (2,), (1, 2), (0, 1, 2)])) == [0, 1, 0, 1, 2]
+    assert local_indices(_placements([(0,), (0, 1)])) is None  # rank 0 at 1, rank 1 at 0
+    assert local_indices(_placements([(1,), (0, 1)])) is None  # the first member agrees, not the rest
+    assert local_indices([]) == []
+
+
 def test_the_window_it_fills_is_the_one_the_floor_counts():
     """One pipeline, PP 4, a long micro-batch first and three shorter levels: moved before it,
     their backwards fill its window and the pipeline meets its floor."""
@@ -91,3 +103,19 @@ def test_balance_keeps_it_where_it_is_faster_and_is_never_slower_for_it(dataset,
     without = make_plan(lengths, **kw)
     assert not without.meta["assignment"].endswith("+next-levels-first")
     assert plan.estimate.step_time_s < without.estimate.step_time_s
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_balance_lifts_the_next_pp_minus_one_levels(pp, monkeypatch):
+    """The lead is PP - 1: the backwards of that many micro-batches fit the window."""
+    leads = []
+
+    def recorded(placements, lead):
+        leads.append(lead)
+        return next_levels_first(placements, lead)
+
+    monkeypatch.setattr(balance_module, "next_levels_first", recorded)
+    lengths = synthetic_lengths("github", 40_000, seed=2, max_length=8_192)
+    make_plan(lengths, scheduler="balance", hdp_size=4, capacity=2_048, cost_model=toy_cost_model(),
+              pp_size=pp, context_length=8_192, offload=False)
+    assert leads and set(leads) == {pp - 1}

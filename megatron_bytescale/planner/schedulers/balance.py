@@ -41,20 +41,26 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    A second candidate counts a pipeline's load as its stage work plus (PP - 1) x its longest
    micro-batch (the 1F1B fill and drain of that micro-batch, which the pipeline cannot fill
    beyond its few in-flight neighbours), so the pipelines of a long ring take less other work.
+   A third counts it as stage work plus the 1F1B idle floor of its longest micro-batch with the
+   next ``2 (PP - 1)`` longest in its window (:func:`..pipeline_floor.idle_floor` with ``k =
+   1``): a pipeline of a long ring takes the few micro-batches that hide in that window almost
+   for free and little beyond them.
    Each candidate is also tried with every pipeline running its shortest micro-batch after its
    last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
-   aligned; and with the next ``PP - 1`` levels before the first (:func:`.pp_balance.
+   aligned; with the next ``PP - 1`` levels before the first (:func:`.pp_balance.
    next_levels_first`): their backwards fill the 1F1B window of the longest ring, which
-   otherwise idles. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
+   otherwise idles; and with the ``PP - 1`` longest single-rank micro-batches after the last
+   ring first instead (:func:`.pp_balance.singles_first`), the same window filled by work that
+   needs no rendezvous. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
    lockstep time steps with the single-rank units longest first beside them (one length level
    per step on every pipeline, so the transitions between levels fall at the same local index
    everywhere), and the units left after the last ring given longest first to the pipeline
    that finishes first in the 1F1B estimate of the ring phase. Balancing stage work alone loses
    to naive's fill on ring-heavy batches (ring waits chain across pipelines whose lists differ
    in shape; docs/pipeline.md, "Why naive's assignment won"); the level steps win there.
-5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (both
+5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (all three
    loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
-   also short-first and next-levels-first), over both unit sets; ``meta["assignment"]``
+   also short-first, next-levels-first and singles-first), over both unit sets; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
@@ -95,7 +101,8 @@ from .candidate_time import finish_times as candidate_finish_times, times_withou
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
-from .pp_balance import alone_floors, next_levels_first, pipeline_floor, pp_balance, short_first
+from .pp_balance import (alone_floors, busiest_pipeline, next_levels_first, pipeline_floor, pp_balance, short_first, singles_first,
+                         unit_times)
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
@@ -202,7 +209,7 @@ def _best_dp_assignment(
 def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) -> tuple[StepPlan, CostModel]:
     """The fastest, by the full 1F1B estimate, of: per unit set (:func:`.selective.unit_options`),
     the level steps (:func:`.pp_steps.level_steps`) on the widened and the unwidened units,
-    PP-Balance's runs on the widened units (two pipeline loads), on the unwidened units and
+    PP-Balance's runs on the widened units (three pipeline loads), on the unwidened units and
     Alg. 1's aligned fill of them (the safety net of :func:`_best_dp_assignment`; with PP,
     widening trades fewer bubbles for more communication and the estimate decides).
 
@@ -236,22 +243,31 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             pool.append(("pp-steps-eq3", level_steps(base, ctx, n, finish_times), 0, base))
         pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
                  ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
+        if request.pp_size > 1:
+            pool.append(("pp-runs-floor", pp_balance(units, ctx, n, window=request.pp_size - 1, **kw), widened, units))
         if widened:
             pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
                                   deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
         pool.append(("fill", fill, 0, base))
+        if best is not None:  # no reordering of an assignment beats its busiest pipeline's work
+            pool = [c for c in pool if busiest_pipeline(c[1], c[3], ctx) <= best[0] * (1 + 1e-9)]
         # each also with a short micro-batch first in every pipeline (listed first: it usually
         # wins, and the original's higher floor then often skips it)
         candidates = []
+        times = {id(units): unit_times(units), id(base): unit_times(base)}  # built once per set
         for name, placements, grown, units_of in pool:
-            moved = short_first(placements, units_of)
+            time_of = times[id(units_of)]
+            moved = short_first(placements, time_of)
             if moved is not None:
                 candidates.append((name + "+short-first", moved, grown, units_of))
             candidates.append((name, placements, grown, units_of))
             lifted = next_levels_first(placements, request.pp_size - 1)
             if lifted is not None:
                 candidates.append((name + "+next-levels-first", lifted, grown, units_of))
+            lifted = singles_first(placements, time_of, request.pp_size - 1)
+            if lifted is not None:
+                candidates.append((name + "+singles-first", lifted, grown, units_of))
         floors = alone_floors([(c[1], c[3]) for c in candidates], ctx, request.pp_size)
         ranked = []
         for floor, (name, placements, grown, units_of) in zip(floors, candidates):

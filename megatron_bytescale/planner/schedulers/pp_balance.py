@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 from itertools import chain
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -15,36 +15,76 @@ from ._common import Placement, placement, split_equal_work
 from .placement import RingPlacer
 
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
-               num_buckets: int, fill_drain: int = 0) -> list[Placement]:
+               num_buckets: int, fill_drain: int = 0, window: int = 0) -> list[Placement]:
     """Rings aligned by count groups (widest first), then runs of single-rank units, taken in
     the order of ``units`` (``balance`` passes them longest first, :func:`._common.unit_sort_key`).
 
     A pipeline's load is its stage work plus ``fill_drain`` times its longest micro-batch: with
     ``fill_drain = pp_size - 1`` that is the 1F1B fill and drain (while a long micro-batch
     crosses the other stages forward and back, a stage only runs its few in-flight neighbours),
-    so pipelines in a long ring take less other work; 0 balances stage work alone.
+    so pipelines in a long ring take less other work; 0 balances stage work alone. With
+    ``window = pp_size - 1`` instead, the load is the stage work plus the idle floor of the
+    longest micro-batch with the next ``2 window`` in its 1F1B window (:class:`PipelineLoad`):
+    the fill-and-drain load charges a pipeline of a long ring in full for the micro-batches
+    that would hide in that window, and so gives it too little.
     """
     placer = RingPlacer(ctx.nodes, n)
-    load = _PipelineLoad(n, fill_drain)
+    load = PipelineLoad(n, fill_drain, window, ctx.cost_model.forward_fraction)
     placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load)
     singles = [u for u in units if u.ring_size == 1]
     placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
     return placements
 
 
-class _PipelineLoad:
-    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch.
+class PipelineLoad:
+    """Per-pipeline load for PP-Balance: stage work + ``fill_drain`` x longest micro-batch, or,
+    with ``window`` > 0, stage work + the window floor (:meth:`floor_after`).
 
     A micro-batch of stage time ``t`` adds ``t + fill_drain * max(0, t - longest)`` to its
     pipeline's load and raises the pipeline's longest to ``t`` if longer. Both placement loops
     apply that update inline (same float operations): it runs once per ring member and per
     single-rank unit, thousands of times per candidate. Python lists: they index faster than
-    numpy arrays one element at a time."""
+    numpy arrays one element at a time. The window load goes through :meth:`add` (it keeps the
+    pipeline's ``2 window + 1`` longest stage times)."""
 
-    def __init__(self, n: int, fill_drain: int) -> None:
+    def __init__(self, n: int, fill_drain: int, window: int = 0, forward_fraction: float = 0.5) -> None:
         self.loads = [0.0] * n
         self.longest = [0.0] * n
         self.fill_drain = fill_drain
+        self.window = window
+        if window:
+            self.work = [0.0] * n
+            self.top: list[list[float]] = [[] for _ in range(n)]
+            self.big = max(forward_fraction, 1.0 - forward_fraction)
+            self.small = 1.0 - self.big
+
+    def floor_after(self, r: int, t: float) -> float:
+        """Pipeline ``r``'s load once a micro-batch of stage time ``t`` joins it: its stage work
+        plus the 1F1B idle of its longest micro-batch ``t_1`` (``window = pp - 1``),
+        ``window * t_1`` less the larger share (``max(f, 1 - f)``) of the next ``window``
+        longest and the smaller share of the ``window`` after them: the term ``k = 1`` of
+        :func:`..pipeline_floor.idle_floor`, what an order that puts the longest between
+        them reaches."""
+        w = self.window
+        top = self.top[r]
+        if len(top) > 2 * w and t <= top[-1]:  # outside the window: the idle stays
+            return self.loads[r] + t
+        top = sorted(top + [t], reverse=True)[:2 * w + 1]
+        idle = w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
+        return self.work[r] + t + (idle if idle > 0.0 else 0.0)
+
+    def add(self, r: int, t: float) -> None:
+        """Put a micro-batch of stage time ``t`` on pipeline ``r`` (the window load: the load
+        :meth:`floor_after` gives, computed once with the new longest stage times kept)."""
+        w = self.window
+        top = self.top[r]
+        if len(top) > 2 * w and t <= top[-1]:
+            self.loads[r] += t
+        else:
+            top = self.top[r] = sorted(top + [t], reverse=True)[:2 * w + 1]
+            idle = w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
+            self.loads[r] = self.work[r] + t + (idle if idle > 0.0 else 0.0)
+        self.work[r] += t
 
 
 def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
@@ -68,6 +108,20 @@ def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: 
     hops = pp_size - 1
     return max((w + hops * (ff * f + (1.0 - ff) * b) for w, f, b in zip(work, first, last) if f is not None),
                default=0.0)
+
+
+def busiest_pipeline(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext) -> float:
+    """The most stage work one pipeline of ``placements`` holds: a lower bound on the 1F1B step
+    of every order of them, so ``balance`` drops a candidate and all its reorderings (short
+    first, next levels first, singles first) at once when it is already slower than the best."""
+    by_seqs = {u.seqs: u for u in units}
+    work = [0.0] * ctx.hdp_size
+    for p in placements:
+        u = by_seqs[p.seqs]
+        t = u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring)
+        for r in p.ring:
+            work[r] += t
+    return max(work, default=0.0)
 
 
 def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
@@ -116,7 +170,7 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
 
 
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
-                         pipeline_load: _PipelineLoad) -> list[Placement]:
+                         pipeline_load: PipelineLoad) -> list[Placement]:
     """Each ring (widest first) on ranks of one count group, on the fewest nodes: the group
     whose fewest-nodes choice (:meth:`.placement.RingPlacer.fewest_nodes`) starts first among
     those that hold the ring on ``ceil(D / ranks_per_node)`` nodes (fewer micro-batches on a
@@ -138,6 +192,7 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     load = pipeline_load.loads
     longest = pipeline_load.longest
     fd = pipeline_load.fill_drain
+    window = pipeline_load.window
     n = len(load)
     topo = placer.topology
     # count -> the ranks that have run that many micro-batches, as (load, rank) pairs sorted: the
@@ -171,25 +226,29 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
             del ranked[bisect.bisect_left(ranked, (load[r], r))]
             if not ranked:
                 del groups[c]
-            x = t - longest[r]  # the load update of _PipelineLoad
-            load[r] += t + fd * (x if x > 0.0 else 0.0)
-            if x > 0.0:
-                longest[r] = t
+            if window:
+                pipeline_load.add(r, t)
+            else:
+                x = t - longest[r]  # the load update of PipelineLoad
+                load[r] += t + fd * (x if x > 0.0 else 0.0)
+                if x > 0.0:
+                    longest[r] = t
             count[r] = c + 1
             bisect.insort(groups.setdefault(c + 1, []), (load[r], r))
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
 
 
-def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: float,
+def _place_runs(singles: list[Unit], pipeline_load: PipelineLoad, *, delta: float,
                 num_buckets: int) -> list[Placement]:
     """Alg. 2's runs (the module docstring of :mod:`.balance`, step 4): each target pipeline
     takes consecutive units of one bucket until the next would pass the current max load.
 
-    Each unit updates its pipeline's load as :class:`_PipelineLoad` says."""
+    Each unit updates its pipeline's load as :class:`PipelineLoad` says."""
     load = pipeline_load.loads
     longest = pipeline_load.longest
     fd = pipeline_load.fill_drain
+    window = pipeline_load.window
     ranks = range(len(load))
     stream = [(b, u) for b, bucket in enumerate(split_equal_work(singles, num_buckets)) for u in bucket]
     total, k = len(stream), 0
@@ -207,21 +266,38 @@ def _place_runs(singles: list[Unit], pipeline_load: _PipelineLoad, *, delta: flo
                 u = stream[k][1]
                 k += 1
                 t = u.time
-                x = t - longest[r]
-                load[r] += t + fd * (x if x > 0.0 else 0.0)
-                if x > 0.0:
-                    longest[r] = t
+                if window:
+                    pipeline_load.add(r, t)
+                else:
+                    x = t - longest[r]
+                    load[r] += t + fd * (x if x > 0.0 else 0.0)
+                    if x > 0.0:
+                        longest[r] = t
                 placements.append(placement((r,), u.seqs, u.offload_ratio))
                 if k == total or stream[k][0] != bucket:
                     break
                 t = stream[k][1].time
+                if window:
+                    if not pipeline_load.floor_after(r, t) <= max_t:
+                        break
+                    continue
                 x = t - longest[r]
                 if not load[r] + (t + fd * (x if x > 0.0 else 0.0)) <= max_t:
                     break
     return placements
 
 
-def short_first(placements: Sequence[Placement], units: Sequence[Unit]) -> list[Placement] | None:
+def unit_times(units: Sequence[Unit] | Mapping[tuple[int, ...], float]) -> Mapping[tuple[int, ...], float]:
+    """Each unit's stage time by its ``seqs``: what :func:`short_first` and :func:`singles_first`
+    read. A caller that makes several variants of one unit set passes this instead of the units,
+    built once (a set holds thousands of units)."""
+    if isinstance(units, Mapping):
+        return units
+    return {u.seqs: u.time for u in units}
+
+
+def short_first(placements: Sequence[Placement],
+                units: Sequence[Unit] | Mapping[tuple[int, ...], float]) -> list[Placement] | None:
     """``placements`` with every pipeline's shortest single-rank micro-batch moved to its front
     (for a pipeline in a ring: the shortest after its last ring), or None when a pipeline of a
     ring has none there.
@@ -231,7 +307,7 @@ def short_first(placements: Sequence[Placement], units: Sequence[Unit]) -> list[
     have. A short micro-batch first lets the later stages start sooner. Every pipeline of a ring
     gains exactly one micro-batch before it, so rings keep the same local index on all their
     members (D5). On the Fig. 17 PP cells (H100 preset) this shortens the step by 0.5-1.5 %."""
-    time_of = {u.seqs: u.time for u in units}
+    time_of = unit_times(units)
     last_ring: dict[int, int] = {}
     for k, p in enumerate(placements):
         if len(p.ring) > 1:
@@ -254,6 +330,62 @@ def short_first(placements: Sequence[Placement], units: Sequence[Unit]) -> list[
     return [placements[k] for k in moved] + [p for k, p in enumerate(placements) if k not in taken]
 
 
+def singles_first(placements: Sequence[Placement], units: Sequence[Unit] | Mapping[tuple[int, ...], float],
+                  lead: int) -> list[Placement] | None:
+    """``placements`` with every pipeline in a ring given ``lead`` of its single-rank
+    micro-batches from after its last ring at its front, shortest first (fewer when a pipeline
+    of a ring has fewer there; None when one has none, or no pipeline is in a ring). Pipelines
+    in no ring keep their order. The j-th lifted is a pipeline's longest single of at most the
+    smallest j-th longest over all ring pipelines (its shortest left when none is that short).
+
+    Why: PP-Balance starts a pipeline with its widest ring, its longest micro-batch. Under 1F1B,
+    while that one crosses the other ``pp - 1`` stages forward and back, stage 0 can only run the
+    backwards of the ``pp - 1`` micro-batches before it and the forwards of those after it
+    (:func:`..pipeline_floor.idle_floor`); with ``lead = pp - 1`` singles before it, their
+    backwards, the larger share, fill the window, and long singles fill it most; but a ring
+    starts on all its members when the slowest has run its prefix, so every pipeline lifts about
+    what the pipeline with the shortest singles can (the largest gains measured, up to 3 % on
+    the Fig. 17 LLaMA-70B cells, need this cap; the longest singles alone lose them). Unlike
+    :func:`next_levels_first`, which lifts whatever sits at the next positions (rings of other
+    widths among them, so that the widest ring's members reach it at different times), this
+    lifts only single-rank work, and every pipeline of a ring lifts the same count from after
+    its last ring, so every ring keeps one local index on all its members (D5)."""
+    if lead < 1:
+        return None
+    last_ring: dict[int, int] = {}
+    for k, p in enumerate(placements):
+        if len(p.ring) > 1:
+            last_ring.update(dict.fromkeys(p.ring, k))
+    if not last_ring:
+        return None
+    time_of = unit_times(units)
+    after: dict[int, list[tuple[float, int]]] = {r: [] for r in last_ring}
+    end = len(placements)
+    for k, p in enumerate(placements):
+        ring = p.ring
+        if len(ring) == 1 and k > last_ring.get(ring[0], end):
+            after[ring[0]].append((time_of[p.seqs], k))
+    lead = min(lead, min(map(len, after.values())))
+    if lead < 1:
+        return None
+    # the common target: every pipeline's j-th lifted single at most what the pipeline with the
+    # fewest long singles can lift, so that the ring's members reach it together
+    tops = [sorted((t for t, _ in singles), reverse=True)[:lead] for singles in after.values()]
+    caps = [min(top[j] for top in tops) for j in range(lead)]
+    moved = []
+    for singles in after.values():
+        pool = sorted(singles, key=lambda x: (-x[0], x[1]))
+        chosen = []
+        for cap in caps:
+            pick = next((x for x in pool if x[0] <= cap * (1 + 1e-9)), pool[-1])
+            pool.remove(pick)
+            chosen.append(pick)
+        moved.append(sorted(chosen))  # shortest first
+    front = [k for step in zip(*moved) for _, k in step]  # position by position over pipelines
+    taken = set(front)
+    return [placements[k] for k in front] + [p for k, p in enumerate(placements) if k not in taken]
+
+
 def next_levels_first(placements: Sequence[Placement], lead: int) -> list[Placement] | None:
     """``placements`` with every pipeline's micro-batches at local positions ``1 .. lead`` moved
     before the one at position 0, shortest level first (positions ``lead, lead - 1, .., 1``,
@@ -274,23 +406,25 @@ def next_levels_first(placements: Sequence[Placement], lead: int) -> list[Placem
     checked, as is every ring, against the reordered lists."""
     if lead < 1:
         return None
+    index = local_indices(placements)
+    if index is None or max(index, default=0) < 1:
+        return None  # not aligned to begin with, or nothing to move before position 0
+    keys = sorted((lead - i if 1 <= i <= lead else (lead if i == 0 else i), k)
+                  for k, i in enumerate(index))
+    out = [placements[k] for _, k in keys]
+    return out if local_indices(out) is not None else None
+
+
+def local_indices(placements: Sequence[Placement]) -> list[int] | None:
+    """Each placement's local index: how many micro-batches its ring's members run before it,
+    or None when a ring's members disagree (D5 wants one index on all of them)."""
     count: dict[int, int] = {}
-    keys = []
-    for k, p in enumerate(placements):
-        i = count.get(p.ring[0], 0)
-        for r in p.ring:
-            if count.get(r, 0) != i:
-                return None  # not aligned to begin with
-            count[r] = i + 1
-        keys.append((lead - i if 1 <= i <= lead else (lead if i == 0 else i), k))
-    if not any(c > 1 for c in count.values()):
-        return None  # nothing to move before position 0
-    out = [placements[k] for _, k in sorted(keys)]
-    count.clear()
-    for p in out:
+    out = []
+    for p in placements:
         i = count.get(p.ring[0], 0)
         for r in p.ring:
             if count.get(r, 0) != i:
                 return None
             count[r] = i + 1
+        out.append(i)
     return out
