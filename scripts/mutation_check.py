@@ -325,8 +325,7 @@ TARGETS = [
             "tests/planner/test_two_level_cost.py")),
     Target("pp_balance", "planner/schedulers/pp_balance.py (PP-Balance)",
            "megatron_bytescale/planner/schedulers/pp_balance.py",
-           ("x_pp_balance", "x__place_rings_aligned", "x__place_runs", "xǁPipelineLoadǁ*", "x_short_first",
-            "x_next_levels_first", "x_local_indices"),
+           ("x_pp_balance", "x__place_rings_aligned", "x__place_runs", "x_short_first"),
            ("tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_next_levels_first.py",
             "tests/planner/test_planner_balance_units.py",
             "tests/planner/test_planner_balance_scale.py::test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds",
@@ -335,6 +334,12 @@ TARGETS = [
            "megatron_bytescale/planner/wavefront.py", ("*",),
            ("tests/planner/test_wavefront.py", "tests/planner/test_candidate_time.py",
             "tests/planner/test_planner_order_estimate.py", "tests/planner/test_pipeline_floor.py")),
+    Target("pp_orders", "planner/schedulers/pp_balance.py (window load, reorderings, family skip)",
+           "megatron_bytescale/planner/schedulers/pp_balance.py",
+           ("xǁPipelineLoadǁ*", "x_next_levels_first", "x_local_indices", "x_singles_first", "x_unit_times",
+            "x_busiest_pipeline"),
+           ("tests/planner/test_pp_singles_first.py", "tests/planner/test_pp_next_levels_first.py",
+            "tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_short_first.py")),
     Target("floors", "planner/pipeline_floor.py (the proved PP lower bounds)",
            "megatron_bytescale/planner/pipeline_floor.py", ("x_idle_floor", "x_assignment_floor"),
            tuple("tests/planner/test_planner_balance_scale.py::" + t for t in (
@@ -865,6 +870,32 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*offload_storage.xǁSavedActivationǁ__init____*", r"tracked: bool = False\) -> None:  ->  .*tracked: bool = True\)",
      "every caller that leaves tracked out passes an offloaded storage, for which tracked is "
      "ignored (tracked and storage is None); resident saves pass it explicitly"),
+    # planner/schedulers/pp_balance.py: the window load and the reorderings
+    ("*pp_balance.x_next_levels_first__*", r"\(lead if i == 0 else i\), k\)  ->  .*\(lead if \(i == 0\) or True else i\), k\)",
+     "positions after `lead` then share position 0's key and ties go by list index, where a "
+     "pipeline's position 0 comes before its later ones: every pipeline runs the same list; only "
+     "placements of different pipelines interleave differently in the global list"),
+    ("*pp_balance.x_singles_first__*", r"k > last_ring\.get\(ring\[0\], end\):  ->  .*k >= last_ring\.get\(ring\[0\], end\):",
+     "k equals a pipeline's last-ring index only at that ring, which is not a single (the "
+     "condition also asks len(ring) == 1)"),
+    ("*pp_balance.x_singles_first__*", r"x\[0\] <= cap \* \(1 \+ 1e-9\)\), pool\[-1\]\)  ->  .*x\[0\] < cap \* \(1 \+ 1e-9\)\)", TOLERANCE),
+    ("*pp_balance.xǁPipelineLoadǁ*", r"if len\(top\) > 2 \* w and t <= top\[-1\]:.*  ->  if len\(top\) > (2 \* w and t < top\[-1\]|3 \* w and t <= top\[-1\]):",
+     "the shortcut is a fast path: where it is not taken (t equal to the smallest time kept, or "
+     "a top list not yet full) the full computation gives the same load"),
+    # planner/pipeline_floor.py: the assignment floor
+    ("*pipeline_floor.x_assignment_floor__*", r"longest: int = 64\) -> float:  ->  .*longest: int = 65\)",
+     "a search width: every width gives a valid bound, and the tests pass theirs"),
+    ("*pipeline_floor.x_assignment_floor__*", r"if free > 0 else np\.full\(len\(tau2\), np\.inf\)  ->  .*if (free >= 0|\(free > 0\) or True) else",
+     "free is never negative there (n1 <= pipelines), and at 0 numpy's n2 / 0 is inf, what the "
+     "other branch gives"),
+    ("*pipeline_floor.x_assignment_floor__*", r"dtype=np\.int64\)  ->  .*\(x\[1\]\) for x in order\](, dtype=None|, )\)",
+     "the ring sizes are Python ints: numpy makes them int64 either way"),
+    ("*pipeline_floor.x_assignment_floor__*", r"for i in range\(-1, min\(longest, len\(t\) - 1\)\):  ->  for i in range\(-2,",
+     "i = -2 repeats the case without a long level (n1 = 0, tau1 = inf) on a suffix of the stage "
+     "times, a subset of what i = -1 tries"),
+    ("*pipeline_floor.x_assignment_floor__*", r"^break  ->  continue$",
+     "n1 grows with i: once above the pipelines it stays above, so every later iteration stops "
+     "at the same test"),
 ]
 
 # Survivors of a run that a test added after it kills (each planted by hand: the test fails):
@@ -876,6 +907,12 @@ _LENGTHS = "tests/planner/test_lengths_reader_limits.py"
 _PLAN_JSON = "tests/planner/test_plan_json_fields.py"
 _CHOICE = "tests/planner/test_balance_candidate_choice.py::"
 KILLED_SINCE: list[tuple[str, str, str]] = [
+    ("*pp_balance.x__place_rings_aligned__*", r"load\[r\] \+= t \+ fd \* \(x if x > 0\.0 else 0\.0\)  ->  .*\(x if \(x > 0\.0\) or True else 0\.0\)",
+     "tests/planner/test_planner_pp_balance.py::test_the_fill_and_drain_load_adds_only_the_work_of_a_shorter_micro_batch"),
+    ("*pp_balance.x__place_runs__*", r"^load\[r\] \+= t \+ fd \* \(x if x > 0\.0 else 0\.0\)  ->  .*\(x if \(x > 0\.0\) or True else 0\.0\)",
+     "tests/planner/test_planner_pp_balance.py::test_the_fill_and_drain_load_adds_only_the_work_of_a_shorter_micro_batch"),
+    ("*pp_balance.x__place_runs__*", r"^continue  ->  break$",
+     "tests/planner/test_planner_pp_balance.py::test_a_window_load_run_continues_while_the_pipeline_stays_under_the_max"),
     ("*plan.xǁStepPlanǁfrom_dict__*", r"^extra=\{k: v for k, v in est\.items\(\) if k not in known\}, / \)  ->  \)$",
      _PLAN_JSON),
     ("*data.lengths.x__parse_json__*", '^if x > MAX_SEQUENCE_LENGTH:  ->  if x >= MAX_SEQUENCE_LENGTH:$',

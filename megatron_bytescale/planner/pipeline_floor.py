@@ -425,6 +425,9 @@ def assignment_floor(micro_batches: Sequence[tuple[float, int]], pipelines: int,
     pair ``tau1 > tau2``; ``tau1`` is tried at the ``longest`` longest stage times and at none
     (no long ones: plain pigeonhole), ``tau2`` at every stage time below it. The first case is
     never the smallest (``min(f, 1 - f) tau2 <= tau1``), so only the other two are computed.
+    When the long ones alone need more than ``P`` slots, no ``tau1`` there or below adds
+    anything: plain pigeonhole with ``tau2 = tau1`` already puts two of them on one pipeline,
+    ``(p + 1) tau1``.
     """
     if pipelines < 1 or pp < 1:
         raise ValueError(f"pipelines ({pipelines}) and pp ({pp}) must be >= 1")
@@ -441,15 +444,12 @@ def assignment_floor(micro_batches: Sequence[tuple[float, int]], pipelines: int,
     small = min(forward_fraction, 1.0 - forward_fraction)
     slots = np.cumsum(d)
     best = 0.0
-    for i in range(-1, min(longest, len(t))):
+    for i in range(-1, min(longest, len(t) - 1)):
         n1 = int(slots[i]) if i >= 0 else 0
+        if n1 > pipelines:  # and for every later i: see the docstring
+            break
         tau1 = float(t[i]) if i >= 0 else np.inf
-        if n1 > pipelines:  # two long ones share a pipeline
-            best = max(best, (pp + 1) * tau1)
-            continue
         tau2 = t[i + 1:]
-        if not len(tau2):
-            continue
         n2 = slots[i + 1:] - n1
         free = pipelines - n1
         most = np.ceil(n2 / free) if free > 0 else np.full(len(tau2), np.inf)

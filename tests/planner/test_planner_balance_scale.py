@@ -273,6 +273,9 @@ def test_the_assignment_floor_by_hand():
     # more long slots than pipelines: two long ones share one, (pp + 1) x the shorter of them
     assert assignment_floor([(10.0, 2), (8.0, 1)], 2, 2, 0.3) == pytest.approx(3 * 8.0)
     assert assignment_floor([(5.0, 1)], 1, 1, 0.0) == assignment_floor([(5.0, 1)], 1, 1, 1.0) == 5.0
+    # under a second, and a micro-batch of no time at all (allowed)
+    assert assignment_floor([(0.1, 1)], 1, 2, 0.3) == pytest.approx(0.2)
+    assert assignment_floor([(0.0, 1), (1.0, 1)], 2, 2, 0.3) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("args, match", [

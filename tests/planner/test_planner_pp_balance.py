@@ -169,6 +169,57 @@ def test_the_window_load_counts_the_next_window_at_the_larger_share_and_then_the
     assert steps == pytest.approx([6.0, 6 + 1 / 3, 6 + 2 / 3, 7 + 1 / 3, 8.0, 9.0])
 
 
+@pytest.mark.parametrize("window, forward_fraction", [(1, 1 / 3), (2, 0.7), (3, 1 / 3)])
+def test_the_window_load_after_every_micro_batch_equals_its_formula_on_the_whole_list(window, forward_fraction):
+    """Lists longer than the 2 window + 1 kept times, with ties and late long ones: after every
+    micro-batch the load, and what floor_after said it would be, equal the formula on the whole
+    list (the longest, the next window at the larger share, the window after at the smaller)."""
+    rng = np.random.default_rng(window)
+    big = max(forward_fraction, 1 - forward_fraction)
+    for _ in range(20):
+        load = PipelineLoad(2, 0, window, forward_fraction)
+        times: list[float] = []
+        for t in rng.choice([0.5, 1.0, 2.0, 3.0, 7.0], size=int(rng.integers(1, 12))):
+            t = float(t)
+            said = load.floor_after(1, t)
+            load.add(1, t)
+            times.append(t)
+            top = sorted(times, reverse=True)
+            expected = (sum(times) + window * top[0] - big * sum(top[1:window + 1])
+                        - (1 - big) * sum(top[window + 1:2 * window + 1]))
+            assert said == pytest.approx(expected) and load.loads[1] == pytest.approx(expected), times
+        assert load.loads[0] == 0.0
+
+
+def test_a_window_load_run_continues_while_the_pipeline_stays_under_the_max():
+    """A ring of 2 (1.0 s) on pipelines 0, 1 (window loads 2.0); singles 0.4, 0.3, 0.2, 0.1 on 4
+    pipelines (delta 0): pipeline 2 takes them all in one run (loads 0.8, 0.9, 1.03, 1.13, each
+    under 2.0), pipeline 3 none."""
+    units = [unit(0, 2000, ring=2), unit(1, 400), unit(2, 300), unit(3, 200), unit(4, 100)]
+    placements = pp_balance(units, ctx(4), 4, delta=0.0, num_buckets=1, window=1)
+    assert by_rank(placements, 4) == [[0], [0], [1, 2, 3, 4], []]
+
+
+def test_the_fill_and_drain_load_adds_only_the_work_of_a_shorter_micro_batch():
+    """fill_drain 3, singles 0.8, 0.7, 0.2, 0.1 (the trace of
+    test_fill_drain_charges_each_pipeline_its_longest_micro_batch): loads 3.2 and 3.1. A ring
+    (fill_drain 1) of 2.5 s, then one of 0.5 s on the same pipelines (loads 0, 1, 9, 2 as in
+    test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest): 2 x 2.5, then + 0.5."""
+    from megatron_bytescale.planner.schedulers.placement import RingPlacer
+    from megatron_bytescale.planner.schedulers.pp_balance import _place_rings_aligned, _place_runs
+
+    load = PipelineLoad(2, 3, 0, CM.forward_fraction)
+    _place_runs([unit(2, 800), unit(0, 700), unit(1, 200), unit(3, 100)], load, delta=0.0, num_buckets=1)
+    assert load.loads == pytest.approx([3.2, 3.1])
+    c = ctx(4)
+    load = PipelineLoad(4, 1, 0, CM.forward_fraction)
+    load.loads[:] = [0.0, 1.0, 9.0, 2.0]
+    first, second = unit(0, 5000, ring=2), unit(1, 1000, ring=2)
+    placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 4), load)
+    assert [p.ring for p in placements] == [(0, 1), (0, 1)]
+    assert load.loads == pytest.approx([5.5, 6.5, 9.0, 2.0])
+
+
 class PipelineLoadProbe:
     """One pipeline of pp_balance's window load: its load after each micro-batch."""
 
@@ -178,6 +229,20 @@ class PipelineLoadProbe:
     def add(self, t: float) -> float:
         self.load.add(0, t)
         return self.load.loads[0]
+
+
+def test_the_busiest_pipeline_is_its_stage_work_rings_timed_where_they_sit():
+    """Pipelines 0-3 on one node: a ring of 2 (2,000 tokens: 1.0 s on each member), singles of
+    0.5 and 0.3 s on pipeline 1 and 0.2 s on pipeline 3: pipeline 1 holds 1.8 s."""
+    from megatron_bytescale.planner.schedulers._common import Placement
+    from megatron_bytescale.planner.schedulers.pp_balance import busiest_pipeline
+
+    units = [unit(0, 2000, ring=2), unit(1, 500), unit(2, 300), unit(3, 200)]
+    placements = [Placement(ring=(0, 1), seqs=(0,)), Placement(ring=(1,), seqs=(1,)),
+                  Placement(ring=(1,), seqs=(2,)), Placement(ring=(3,), seqs=(3,))]
+    assert busiest_pipeline(placements, units, ctx(4)) == pytest.approx(1.8)
+    assert busiest_pipeline(placements[3:], units, ctx(4)) == pytest.approx(0.2)
+    assert busiest_pipeline([], units, ctx(4)) == 0.0
 
 
 def test_a_ring_moves_onto_one_node_inside_its_count_group():
@@ -262,7 +327,7 @@ def test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest():
     from megatron_bytescale.planner.schedulers.pp_balance import PipelineLoad, _place_rings_aligned
 
     c = ctx(4)
-    load = PipelineLoad(4, 0)
+    load = PipelineLoad(4, 0, 0, CM.forward_fraction)
     load.loads[:] = [0.0, 1.0, 9.0, 2.0]
     first, second = unit(0, 5000, ring=2), unit(1, 1000, ring=2)
     placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 4), load)

@@ -47,7 +47,7 @@ class PipelineLoad:
     numpy arrays one element at a time. The window load goes through :meth:`add` (it keeps the
     pipeline's ``2 window + 1`` longest stage times)."""
 
-    def __init__(self, n: int, fill_drain: int, window: int = 0, forward_fraction: float = 0.5) -> None:
+    def __init__(self, n: int, fill_drain: int, window: int, forward_fraction: float) -> None:
         self.loads = [0.0] * n
         self.longest = [0.0] * n
         self.fill_drain = fill_drain
@@ -70,8 +70,8 @@ class PipelineLoad:
         if len(top) > 2 * w and t <= top[-1]:  # outside the window: the idle stays
             return self.loads[r] + t
         top = sorted(top + [t], reverse=True)[:2 * w + 1]
-        idle = w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
-        return self.work[r] + t + (idle if idle > 0.0 else 0.0)
+        # never negative: each of the other 2 w is at most top[0], and the shares add up to 1
+        return self.work[r] + t + w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
 
     def add(self, r: int, t: float) -> None:
         """Put a micro-batch of stage time ``t`` on pipeline ``r`` (the window load: the load
@@ -82,8 +82,8 @@ class PipelineLoad:
             self.loads[r] += t
         else:
             top = self.top[r] = sorted(top + [t], reverse=True)[:2 * w + 1]
-            idle = w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
-            self.loads[r] = self.work[r] + t + (idle if idle > 0.0 else 0.0)
+            self.loads[r] = (self.work[r] + t + w * top[0] - self.big * sum(top[1:w + 1])
+                             - self.small * sum(top[w + 1:]))
         self.work[r] += t
 
 
@@ -117,11 +117,10 @@ def busiest_pipeline(placements: Sequence[Placement], units: Sequence[Unit], ctx
     by_seqs = {u.seqs: u for u in units}
     work = [0.0] * ctx.hdp_size
     for p in placements:
-        u = by_seqs[p.seqs]
-        t = u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring)
+        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
         for r in p.ring:
             work[r] += t
-    return max(work, default=0.0)
+    return max(work)
 
 
 def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
