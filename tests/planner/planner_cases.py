@@ -31,3 +31,12 @@ def batches(draw, *, max_items: int = 30):
         min_size=n, max_size=n,
     ))
     return lengths, hdp, capacity, align
+
+
+def lists_by_rank(placements) -> dict[int, list[int]]:
+    """Each rank's list of first sequence ids, in placement order (one id per placement)."""
+    out: dict[int, list[int]] = {}
+    for p in placements:
+        for r in p.ring:
+            out.setdefault(r, []).append(p.seqs[0])
+    return out

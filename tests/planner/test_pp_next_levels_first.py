@@ -17,19 +17,12 @@ from megatron_bytescale.planner.schedulers import balance as balance_module
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import Placement
 from megatron_bytescale.planner.schedulers.pp_balance import local_indices, next_levels_first
+from planner_cases import lists_by_rank
 
 
 def _placements(rings):
     """Sequence k is row k."""
     return [Placement(ring=ring, seqs=(k,)) for k, ring in enumerate(rings)]
-
-
-def _lists(placements):
-    out: dict[int, list[int]] = {}
-    for p in placements:
-        for r in p.ring:
-            out.setdefault(r, []).append(p.seqs[0])
-    return out
 
 
 def test_positions_one_to_lead_go_first_shortest_level_first_and_rings_stay_aligned():
@@ -44,11 +37,11 @@ def test_positions_one_to_lead_go_first_shortest_level_first_and_rings_stay_alig
              (3,),       # 8  rank 3, no ring, two micro-batches: position 1 before 0
              (3,)]       # 9
     lifted = next_levels_first(_placements(rings), 2)
-    assert _lists(lifted) == {0: [3, 1, 0, 6], 1: [4, 1, 0, 6], 2: [5, 2, 0, 6, 7], 3: [9, 8]}
+    assert lists_by_rank(lifted) == {0: [3, 1, 0, 6], 1: [4, 1, 0, 6], 2: [5, 2, 0, 6, 7], 3: [9, 8]}
     # rings at one local index on all their members, as before
     for p in lifted:
         if len(p.ring) > 1:
-            assert len({_lists(lifted)[r].index(p.seqs[0]) for r in p.ring}) == 1
+            assert len({lists_by_rank(lifted)[r].index(p.seqs[0]) for r in p.ring}) == 1
 
 
 def test_a_ring_that_would_split_gives_up():
@@ -56,7 +49,7 @@ def test_a_ring_that_would_split_gives_up():
     # rank 0 (after position 2) and to index 0 on rank 1
     rings = [(0,), (1,), (0, 1), (0,)]
     assert next_levels_first(_placements(rings), 2) is None
-    assert _lists(next_levels_first(_placements(rings), 1)) == {0: [2, 0, 3], 1: [2, 1]}
+    assert lists_by_rank(next_levels_first(_placements(rings), 1)) == {0: [2, 0, 3], 1: [2, 1]}
 
 
 def test_nothing_to_move_unaligned_input_or_no_lead_gives_up():
@@ -67,8 +60,8 @@ def test_nothing_to_move_unaligned_input_or_no_lead_gives_up():
 
 
 def test_two_micro_batches_swap_at_lead_one():
-    assert _lists(next_levels_first(_placements([(0,), (1,), (0,), (1,)]), 1)) == {0: [2, 0], 1: [3, 1]}
-    assert _lists(next_levels_first(_placements([(0, 1), (0, 1)]), 1)) == {0: [1, 0], 1: [1, 0]}
+    assert lists_by_rank(next_levels_first(_placements([(0,), (1,), (0,), (1,)]), 1)) == {0: [2, 0], 1: [3, 1]}
+    assert lists_by_rank(next_levels_first(_placements([(0, 1), (0, 1)]), 1)) == {0: [1, 0], 1: [1, 0]}
 
 
 def test_local_indices_count_what_each_rings_members_ran_before_it():

@@ -18,6 +18,7 @@ from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import Placement
 from megatron_bytescale.planner.schedulers.pp_balance import local_indices, singles_first
 from megatron_bytescale.planner.sharding import Unit
+from planner_cases import lists_by_rank
 
 
 def _case(rows):
@@ -25,14 +26,6 @@ def _case(rows):
     placements = [Placement(ring=ring, seqs=(k,)) for k, (ring, _) in enumerate(rows)]
     units = [Unit(seqs=(k,), lengths=(1,), ring_size=len(ring), time=t) for k, (ring, t) in enumerate(rows)]
     return placements, units
-
-
-def _lists(placements):
-    out: dict[int, list[int]] = {}
-    for p in placements:
-        for r in p.ring:
-            out.setdefault(r, []).append(p.seqs[0])
-    return out
 
 
 ROWS = [((0, 1), 5.0),  # 0: the ring, first on pipelines 0 and 1
@@ -47,16 +40,16 @@ def test_each_ring_pipeline_lifts_what_every_one_can_match_shortest_first():
     its longest 4.0 (its ring partner could not match it); pipeline 2 keeps its order."""
     placements, units = _case(ROWS)
     lifted = singles_first(placements, units, 2)
-    assert _lists(lifted) == {0: [1, 2, 0], 1: [5, 3, 0, 4], 2: [6, 7]}
+    assert lists_by_rank(lifted) == {0: [1, 2, 0], 1: [5, 3, 0, 4], 2: [6, 7]}
     assert local_indices(lifted) is not None
-    assert _lists(singles_first(placements, units, 3)) == _lists(lifted)  # as many as all have
-    assert _lists(singles_first(placements, units, 1)) == {0: [2, 0, 1], 1: [3, 0, 4, 5], 2: [6, 7]}
+    assert lists_by_rank(singles_first(placements, units, 3)) == lists_by_rank(lifted)  # as many as all have
+    assert lists_by_rank(singles_first(placements, units, 1)) == {0: [2, 0, 1], 1: [3, 0, 4, 5], 2: [6, 7]}
 
 
 def test_with_nothing_short_enough_a_pipeline_lifts_its_shortest():
     rows = [((0, 1), 9.0), ((0,), 6.0), ((0,), 5.0), ((1,), 1.0), ((1,), 0.5)]
     placements, units = _case(rows)
-    assert _lists(singles_first(placements, units, 2)) == {0: [2, 1, 0], 1: [4, 3, 0]}
+    assert lists_by_rank(singles_first(placements, units, 2)) == {0: [2, 1, 0], 1: [4, 3, 0]}
 
 
 def test_it_gives_up_without_a_ring_a_single_after_it_or_a_lead():
