@@ -200,6 +200,30 @@ def test_a_window_load_run_continues_while_the_pipeline_stays_under_the_max():
     assert by_rank(placements, 4) == [[0], [0], [1, 2, 3, 4], []]
 
 
+def test_a_window_load_run_may_reach_the_max_but_not_pass_it():
+    """Forward share 1/2, so every load below is exact: a ring of 2 (1.0 s) loads pipelines 0, 1
+    with 2.0; five singles of 0.5 s on 4 pipelines (delta 0). Pipeline 2's run: 1.0, 1.25, 1.5,
+    and the fourth single (outside the window of 3 kept times) brings it to exactly 2.0, the max:
+    it takes it. Pipeline 3 takes the fifth."""
+    half = small_cost_model(num_layers=1, alpha1=0.0, beta1=1e-3, gamma=0.0, p2p_bandwidth_inter=1e30,
+                            p2p_bandwidth_intra=1e30, p2p_latency_s=0.0, ring_step_overhead_s=0.0,
+                            forward_fraction=0.5)
+    c = ShardingContext(capacity=1000, layers=1, cost_model=half, hdp_size=4, offload=False)
+    units = [unit(0, 2000, ring=2)] + [unit(k, 500) for k in range(1, 6)]
+    placements = pp_balance(units, c, 4, delta=0.0, num_buckets=1, window=1)
+    assert by_rank(placements, 4) == [[0], [0], [1, 2, 3, 4], [5]]
+    assert window_loads(placements, units, 4, 1, 0.5) == [2.0, 2.0, 2.0, 1.0]
+
+
+def test_a_fill_and_drain_run_stops_where_the_next_would_pass_the_max():
+    """fill_drain 3: a ring of 2 (1.0 s) loads pipelines 0, 1 with 4.0; pipeline 2 takes 0.9
+    (3.6), and 0.6 would bring it to 4.2 (shorter than its longest, so no fill-and-drain term),
+    past the max: the run stops and pipeline 3 takes it."""
+    units = [unit(0, 2000, ring=2), unit(1, 900), unit(2, 600)]
+    placements = pp_balance(units, ctx(4), 4, delta=0.0, num_buckets=1, fill_drain=3)
+    assert by_rank(placements, 4) == [[0], [0], [1], [2]]
+
+
 def test_the_fill_and_drain_load_adds_only_the_work_of_a_shorter_micro_batch():
     """fill_drain 3, singles 0.8, 0.7, 0.2, 0.1 (the trace of
     test_fill_drain_charges_each_pipeline_its_longest_micro_batch): loads 3.2 and 3.1. A ring
