@@ -224,6 +224,22 @@ def test_a_fill_and_drain_run_stops_where_the_next_would_pass_the_max():
     assert by_rank(placements, 4) == [[0], [0], [1], [2]]
 
 
+def test_a_later_count_group_that_fits_one_node_beats_an_earlier_one_that_must_wait():
+    """8 pipelines on 2 nodes (0-3, 4-7), loads 1, 2, 50, 50, 1, 0, 0, 0. A ring of 3 (5.0 s)
+    takes 5, 6, 7. The next ring of 3 sees the count groups {0-4} (its 3 least loaded, 0, 4 and
+    1, span both nodes, so on one node it starts at 50) and {5, 6, 7} (one node, at 5.0): it
+    goes to 5, 6, 7. Stopping the search after the first group would leave it on 0, 1, 2."""
+    from megatron_bytescale.planner.schedulers.placement import RingPlacer
+    from megatron_bytescale.planner.schedulers.pp_balance import _place_rings_aligned
+
+    c = ctx(8)
+    load = PipelineLoad(8, 0, 0, CM.forward_fraction)
+    load.loads[:] = [1.0, 2.0, 50.0, 50.0, 1.0, 0.0, 0.0, 0.0]
+    first, second = unit(0, 15000, ring=3), unit(1, 300, ring=3)
+    placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 8), load)
+    assert [p.ring for p in placements] == [(5, 6, 7), (5, 6, 7)]
+
+
 def test_the_fill_and_drain_load_adds_only_the_work_of_a_shorter_micro_batch():
     """fill_drain 3, singles 0.8, 0.7, 0.2, 0.1 (the trace of
     test_fill_drain_charges_each_pipeline_its_longest_micro_batch): loads 3.2 and 3.1. A ring
