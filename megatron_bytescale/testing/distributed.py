@@ -2,9 +2,9 @@
 
 A fresh process spends 3-8 s of CPU importing torch and megatron-core, so tests start one group
 of processes and run many checks inside it, and the processes are forked from a server that
-imported those once (``multiprocessing``'s fork server, :data:`PRELOAD`); each gets the parent's
-environment, working folder and ``sys.path`` of the moment it starts, as a spawned one would. Failures come back as the child's traceback;
-a hang comes back as a timeout error naming the ranks that did not finish, never as a stuck
+imported those once (``multiprocessing``'s fork server, :data:`PRELOAD`); each gets the
+parent's environment, working folder and ``sys.path`` of the moment it starts, as a spawned one
+would. Failures come back as the child's traceback; a hang comes back as a timeout error naming the ranks that did not finish, never as a stuck
 test run.
 """
 

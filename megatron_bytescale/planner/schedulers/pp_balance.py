@@ -65,26 +65,27 @@ class PipelineLoad:
         longest and the smaller share of the ``window`` after them: the term ``k = 1`` of
         :func:`..pipeline_floor.idle_floor`, what an order that puts the longest between
         them reaches."""
-        w = self.window
-        top = self.top[r]
-        if len(top) > 2 * w and t <= top[-1]:  # outside the window: the idle stays
-            return self.loads[r] + t
-        top = sorted(top + [t], reverse=True)[:2 * w + 1]
-        # never negative: each of the other 2 w is at most top[0], and the shares add up to 1
-        return self.work[r] + t + w * top[0] - self.big * sum(top[1:w + 1]) - self.small * sum(top[w + 1:])
+        return self._after(r, t)[0]
 
     def add(self, r: int, t: float) -> None:
         """Put a micro-batch of stage time ``t`` on pipeline ``r`` (the window load: the load
-        :meth:`floor_after` gives, computed once with the new longest stage times kept)."""
+        :meth:`floor_after` gives, with the new longest stage times kept)."""
+        self.loads[r], top = self._after(r, t)
+        if top is not None:
+            self.top[r] = top
+        self.work[r] += t
+
+    def _after(self, r: int, t: float) -> tuple[float, list[float] | None]:
+        """(the load with ``t`` added, the new longest stage times or None when ``t`` falls
+        outside them)."""
         w = self.window
         top = self.top[r]
-        if len(top) > 2 * w and t <= top[-1]:
-            self.loads[r] += t
-        else:
-            top = self.top[r] = sorted(top + [t], reverse=True)[:2 * w + 1]
-            self.loads[r] = (self.work[r] + t + w * top[0] - self.big * sum(top[1:w + 1])
-                             - self.small * sum(top[w + 1:]))
-        self.work[r] += t
+        if len(top) > 2 * w and t <= top[-1]:  # outside the window: the idle stays
+            return self.loads[r] + t, None
+        top = sorted(top + [t], reverse=True)[:2 * w + 1]
+        # never negative: each of the other 2 w is at most top[0], and the shares add up to 1
+        return (self.work[r] + t + w * top[0] - self.big * sum(top[1:w + 1])
+                - self.small * sum(top[w + 1:])), top
 
 
 def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
@@ -295,6 +296,16 @@ def unit_times(units: Sequence[Unit] | Mapping[tuple[int, ...], float]) -> Mappi
     return {u.seqs: u.time for u in units}
 
 
+def last_rings(placements: Sequence[Placement]) -> dict[int, int]:
+    """Each pipeline in a ring: the position in ``placements`` of its last ring. What may move
+    before a pipeline's first ring without changing a ring's local index comes after it."""
+    last: dict[int, int] = {}
+    for k, p in enumerate(placements):
+        if len(p.ring) > 1:
+            last.update(dict.fromkeys(p.ring, k))
+    return last
+
+
 def short_first(placements: Sequence[Placement],
                 units: Sequence[Unit] | Mapping[tuple[int, ...], float]) -> list[Placement] | None:
     """``placements`` with every pipeline's shortest single-rank micro-batch moved to its front
@@ -307,11 +318,7 @@ def short_first(placements: Sequence[Placement],
     gains exactly one micro-batch before it, so rings keep the same local index on all their
     members (D5). On the Fig. 17 PP cells (H100 preset) this shortens the step by 0.5-1.5 %."""
     time_of = unit_times(units)
-    last_ring: dict[int, int] = {}
-    for k, p in enumerate(placements):
-        if len(p.ring) > 1:
-            for r in p.ring:
-                last_ring[r] = k
+    last_ring = last_rings(placements)
     if not last_ring:
         return None
     first: dict[int, tuple[float, int]] = {}
@@ -351,10 +358,7 @@ def singles_first(placements: Sequence[Placement], units: Sequence[Unit] | Mappi
     its last ring, so every ring keeps one local index on all its members (D5)."""
     if lead < 1:
         return None
-    last_ring: dict[int, int] = {}
-    for k, p in enumerate(placements):
-        if len(p.ring) > 1:
-            last_ring.update(dict.fromkeys(p.ring, k))
+    last_ring = last_rings(placements)
     if not last_ring:
         return None
     time_of = unit_times(units)
