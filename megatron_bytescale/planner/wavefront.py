@@ -52,11 +52,15 @@ def simulate_wavefront(lists: Sequence[Sequence[int]], dur: Mapping[int, float],
 
 
 def simulate_wavefront_flat(pipeline: np.ndarray, index: np.ndarray, t: np.ndarray, n: int, pp: int,
-                            forward_fraction: float) -> np.ndarray | None:
+                            forward_fraction: float, stop_above: float | None = None) -> np.ndarray | None:
     """:func:`simulate_wavefront` with every slot of every list as an entry of two flat arrays:
     the pipeline (0 .. n - 1) whose list holds it and its micro-batch (an index into ``t``, the
     stage times), each pipeline's slots in list order (slots of different pipelines may
-    interleave)."""
+    interleave).
+
+    ``stop_above``: a caller that only needs the step when it is at most this value (a
+    candidate against the best so far) gets ``inf`` for every pipeline as soon as some
+    pipeline provably finishes later (:func:`_run`), without the remaining keys."""
     pipeline = np.asarray(pipeline, dtype=np.int64)
     index = np.asarray(index, dtype=np.int64)
     counts = np.bincount(pipeline, minlength=n)
@@ -76,7 +80,7 @@ def simulate_wavefront_flat(pipeline: np.ndarray, index: np.ndarray, t: np.ndarr
     grid = np.full((n, depth), m, dtype=np.int64)  # m: a weightless micro-batch past every list's end
     grid[pipeline[by_pipeline], local] = index
     return _run(grid, np.append(np.asarray(t, dtype=float), 0.0), np.append(holders > 1, False)[grid], pp,
-                forward_fraction)
+                forward_fraction, stop_above)
 
 
 def pipelines_alone(times: Sequence[Sequence[float]], pp: int, forward_fraction: float) -> np.ndarray:
@@ -111,7 +115,8 @@ def pipelines_alone_flat(pipeline: np.ndarray, times: np.ndarray, n: int, pp: in
     return _run(grid, t, np.zeros((n, depth), dtype=bool), pp, forward_fraction)
 
 
-def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float) -> np.ndarray:
+def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forward_fraction: float,
+         stop_above: float | None = None) -> np.ndarray:
     """The wavefronts (module docstring): ``grid[r, i]`` is the order index of pipeline r's
     i-th micro-batch (``len(t) - 1``, a weightless pad, past its end), ``t`` the stage time of
     every order index, ``ring_grid`` where a slot is a ring's.
@@ -121,7 +126,12 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     balance plans give a few pipelines far more (short) micro-batches than the rest, and the
     full grid is mostly pads. Sorting permutes pipelines only (a ring's start is a maximum over
     its members wherever they sit). Arrays are stage-major (``[stage, pipeline]``,
-    ``[micro-batch, phase, pipeline]``), so a key's work is row gathers of slices."""
+    ``[micro-batch, phase, pipeline]``), so a key's work is row gathers of slices.
+
+    With ``stop_above``, every :data:`_STOP_EVERY` keys each stage's latest finish plus the
+    stage work its pipeline has left (its forwards and backwards past the key) is a lower bound
+    on that pipeline's finish (a stage runs its ops one after another); once one exceeds
+    ``stop_above`` (by more than rounding) the run returns ``inf`` for every pipeline."""
     n, depth = grid.shape
     pad = len(t) - 1
     counts = (grid != pad).sum(axis=1)
@@ -133,6 +143,10 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     w = np.ascontiguousarray(weight[:, g].transpose(1, 0, 2))  # [micro-batch, phase, pipeline]
     live_grid = g != pad
     ring_t = np.ascontiguousarray(ring_grid[by_count].T) & live_grid
+    if stop_above is not None:
+        # left[i, phase, pipeline]: the stage work of that phase from micro-batch i on (0 at depth)
+        left = np.zeros((depth + 1, 2, n))
+        left[:depth] = np.cumsum(w[::-1], axis=0)[::-1]
     any_ring = bool(ring_t.any())
     stages = np.arange(pp)
     # per key (row) and stage (column), worked out at once: F or B, its micro-batch index, whether
@@ -168,6 +182,15 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     buf = np.zeros((pad + 1) * pp)  # per (order, stage): its ring's start; zero between uses
     stage_col = np.broadcast_to(stages[:, None], (pp, n))
     for key, m in enumerate(width[:tail_key]):
+        if stop_above is not None and key % _STOP_EVERY == 0 and key:
+            # the keys before this one are done: at stage s the forwards of index > (key - 1 - s)
+            # // 2 (F(i, s) has key 2 i + s) and the backwards of index > (key - 2 pp + s) // 2
+            # (B(i, s) has key 2 i + 2 pp - 1 - s) are still to run
+            f_next = np.clip((key - 1 - stages) // 2 + 1, 0, depth)
+            b_next = np.clip((key - 2 * pp + stages) // 2 + 1, 0, depth)
+            bound = last + left[f_next, 0] + left[b_next, 1]
+            if bound.max() > stop_above * (1 + 1e-9):
+                return np.full(n, np.inf)
         ik = index[key]
         old = last[:, :m]
         start = np.maximum(old, prev[column[key], :m])  # [stage, pipeline]
@@ -194,6 +217,10 @@ def _run(grid: np.ndarray, t: np.ndarray, ring_grid: np.ndarray, pp: int, forwar
     out[by_count] = finish
     return out
 
+
+_STOP_EVERY = 16
+"""With ``stop_above``, how many keys between two checks of the bound (a check costs about as
+much as a key)."""
 
 _TAIL_OPS = 48
 """Switch to :func:`_tail` once the pipelines left times the stages are at most this: a key costs

@@ -4,8 +4,9 @@
 with PP the level steps, PP-Balance's runs, the aligned fill, each also short-first) and keeps
 the fastest by the estimate, ties to the earlier one. To save estimates it skips a unit set or
 a candidate whose lower bound (`_units_floor`, `alone_floors`) is already slower than the best
-so far. That skip is only an optimisation: here every plan is compared with the plan made with
-both floors at zero (nothing skipped), on seeded batches where the floors are in force (no node
+so far, and stops timing a candidate once its step is known to exceed the best. That skip is
+only an optimisation: here every plan is compared with the plan made with both floors at zero
+and every candidate timed to its end (nothing skipped), on seeded batches where the floors are in force (no node
 map, flat rings, the network slower than a node's links) and where they are not. A floor
 compared the wrong way, a skip that ends the loop early, ties that go to the later candidate or
 a floor that is not a lower bound all change some of these plans.
@@ -54,9 +55,18 @@ def _key(plan):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_skipping_by_the_floors_never_changes_the_plan(case, monkeypatch):
     planned = _key(_plan(case))
-    monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
-    monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
+    _nothing_skipped(monkeypatch)
     assert planned == _key(_plan(case))
+
+
+def _nothing_skipped(patch) -> None:
+    """No unit set or candidate skipped by a floor, and every candidate timed to its end."""
+    real = balance_mod.candidate_finish_times
+    patch.setattr(balance_mod, "_units_floor", lambda *args: 0.0)
+    patch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
+    patch.setattr(balance_mod, "candidate_finish_times",
+                  lambda request, placements, cost_model, seconds=None, stop_above=None:
+                  real(request, placements, cost_model, seconds))
 
 
 def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
@@ -81,8 +91,7 @@ def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
         plan = _plan(case)
         with_floors = calls["n"]
         with monkeypatch.context() as floors_off:
-            floors_off.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
-            floors_off.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
+            _nothing_skipped(floors_off)
             calls["n"] = 0
             _plan(case)
             without = calls["n"]
@@ -131,7 +140,7 @@ def test_the_fill_candidate_is_alg1_on_the_unwidened_units_and_the_nodes(pp, mon
     monkeypatch.setattr(balance_mod, "makespan_below",
                         lambda steps, *args, **kwargs: ([p for s in steps for p in s], 0.0))
     monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
-    monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
+    monkeypatch.setattr(balance_mod, "_units_floor", lambda *args: 0.0)
     plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=CAPACITY, cost_model=_cost_model(False),
                      pp_size=pp, offload=False, context_length=LONGEST, estimate=False)
     assert plan.meta["assignment"] == "fill" and plan.meta["widened_units"] == 0
@@ -190,7 +199,7 @@ def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name
     monkeypatch.setattr(balance_mod, "estimate_plan", wins)
     monkeypatch.setattr(balance_mod, "times_without_plan", lambda request: False)  # every candidate estimated
     monkeypatch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
-    monkeypatch.setattr(balance_mod, "_units_floor", lambda units, request: 0.0)
+    monkeypatch.setattr(balance_mod, "_units_floor", lambda *args: 0.0)
     plan = make_plan(lengths, scheduler="balance", estimate=False, **kw)
     assert plan.meta["assignment"] == name
     request = build_request(lengths, scheduler="balance", overlong="error", align=1, delta=DEFAULT_DELTA,

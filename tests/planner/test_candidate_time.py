@@ -13,6 +13,7 @@ import pytest
 
 import megatron_bytescale.planner.schedulers.balance as balance_mod
 from megatron_bytescale.data.synthetic import synthetic_lengths
+from megatron_bytescale.planner import wavefront
 from megatron_bytescale.planner.estimate import estimate_plan, micro_batch_costs
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import emit_plan
@@ -29,9 +30,9 @@ NOISY = dict(ring_straggler_s=2e-6, ring_straggler_link_ratio=0.05, per_document
 @pytest.mark.parametrize("nodes,two_level,terms", [(None, False, {}), ("irregular", False, {}), (None, True, {}),
                                                    (None, False, NOISY)])
 def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, terms, monkeypatch):
-    checked = {"n": 0, "offloaded": 0, "rings": 0}
+    checked = {"n": 0, "offloaded": 0, "rings": 0, "stopped": 0}
 
-    def checking(request, placements, cost_model, seconds=None):
+    def checking(request, placements, cost_model, seconds=None, stop_above=None):
         got = finish_times(request, placements, cost_model, seconds)  # with balance's cache of stage times
         plan = emit_plan(replace(request, pieces=False), placements, scheduler="balance")
         want = np.asarray(estimate_plan(plan, cost_model).rank_time_s)
@@ -39,9 +40,19 @@ def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, terms, 
         checked["n"] += 1
         checked["offloaded"] += any(p.offload_ratio > 0 for p in placements)
         checked["rings"] += any(len(p.ring) > 1 for p in placements)
-        return got
+        if stop_above is None:
+            return got
+        # timed against the best so far: the same floats, or inf only where the step exceeds it
+        stopped = finish_times(request, placements, cost_model, seconds, stop_above)
+        if np.isinf(stopped).all():
+            assert got.max() > stop_above, (got.max(), stop_above)
+            checked["stopped"] += 1
+        else:
+            assert np.array_equal(stopped, got)
+        return stopped
 
     monkeypatch.setattr(balance_mod, "candidate_finish_times", checking)
+    monkeypatch.setattr(wavefront, "_STOP_EVERY", 1)  # the bound checked at every key of these short lists
     for ds in ("github", "byted"):
         for pp, hdp in ((2, 8), (4, 16)):
             topology = None
@@ -55,6 +66,7 @@ def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, terms, 
                 # the winner, built at the end, carries the estimate its timing promised
                 assert plan.estimate.step_time_s == max(plan.estimate.rank_time_s)
     assert checked["n"] > 25 and checked["offloaded"] >= 4 and checked["rings"] > 25, checked
+    assert checked["stopped"] >= 3, checked  # the early stop fires, and only where it may
 
 
 @pytest.mark.parametrize("pp,hdp,two_level", [(2, 8, False), (4, 16, True)])

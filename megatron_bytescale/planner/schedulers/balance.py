@@ -94,6 +94,7 @@ import numpy as np
 
 from ..cost_model import CostModel
 from ..estimate import estimate_plan
+from ..pipeline_floor import assignment_floor
 from ..plan import StepPlan
 from ..sharding import ShardingContext, Unit
 from ._common import Placement, PlanRequest, apply_hdp_overlong, emit_plan, unit_sort_key, unit_work_key
@@ -143,7 +144,7 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     for index, (choice, ctx, base) in enumerate(unit_options(request)):
         units, widened = widen_for_balance(list(base), ctx, n, pp_size=request.pp_size)
         units.sort(key=unit_sort_key)
-        options.append((_units_floor(units, request), index, choice, ctx, base, units, widened))
+        options.append((_units_floor(units, base, request), index, choice, ctx, base, units, widened))
     # the set with the lowest floor first; a later one whose floor is already slower than the
     # best plan cannot win (ties go to the earlier set of unit_options: no offload)
     options.sort(key=lambda o: (o[0], o[1]))
@@ -163,9 +164,12 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     return emit_plan(request, best[2], scheduler=NAME, meta=meta)
 
 
-def _units_floor(units: Sequence[Unit], request: PlanRequest) -> float:
-    """A lower bound on any plan of ``units``: their stage work over the pipelines, and the
-    longest one crossing every stage forward and back (``pp_size`` times its stage time).
+def _units_floor(units: Sequence[Unit], base: Sequence[Unit], request: PlanRequest) -> float:
+    """A lower bound on any plan of ``units`` (widened) or of ``base`` (the same set unwidened,
+    which some candidates run): per set, their stage work over the pipelines and the longest one
+    crossing every stage forward and back (``pp_size`` times its stage time); with PP also
+    :func:`..pipeline_floor.assignment_floor` (no pipeline can take a long ring without the
+    1F1B fill and drain of it, and the rest must go somewhere), the smaller of the two sets.
 
     It rests on a unit's own time (costed intra-node when its ring fits a node) never exceeding
     its time once placed, which holds for flat rings on the regular node map when the network is
@@ -173,8 +177,17 @@ def _units_floor(units: Sequence[Unit], request: PlanRequest) -> float:
     cm = request.cost_model
     if cm.two_level_ring or request.topology is not None or cm.p2p_bandwidth_inter > cm.p2p_bandwidth_intra:
         return 0.0
-    work = sum(u.work for u in units) / request.hdp_size
-    return max(work, request.pp_size * max((u.time for u in units), default=0.0))
+    pp = request.pp_size
+
+    def floor(of: Sequence[Unit]) -> float:
+        work = sum(u.work for u in of) / request.hdp_size
+        bound = max(work, pp * max((u.time for u in of), default=0.0))
+        if pp > 1 and of:
+            bound = max(bound, assignment_floor([(u.time, u.ring_size) for u in of], request.hdp_size, pp,
+                                                cm.forward_fraction))
+        return bound
+
+    return floor(units) if base is units else min(floor(units), floor(base))
 
 
 def _best_dp_assignment(
@@ -280,8 +293,11 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
                 continue
             build = (placements, {**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
                                   "offload_choice": choice}, ctx.cost_model)
-            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds) if quick else None
-            if finish is not None:  # timed as its plan would be; only the winner is built
+            # timed as its plan would be (only the winner is built), given up once it is slower
+            # than the best: it then cannot win (ties go to the earlier candidate)
+            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds,
+                                            None if best is None else best[0]) if quick else None
+            if finish is not None:
                 key = (float(finish.max()), (set_index, index))
                 if best is None or key < best[:2]:
                     best = (*key, None, build)

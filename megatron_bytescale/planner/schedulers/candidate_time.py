@@ -34,7 +34,8 @@ def times_without_plan(request: PlanRequest) -> bool:
 
 
 def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel,
-                 seconds: dict[int, tuple[Placement, float]] | None = None) -> np.ndarray | None:
+                 seconds: dict[int, tuple[Placement, float]] | None = None,
+                 stop_above: float | None = None) -> np.ndarray | None:
     """Per HDP rank, when its pipeline finishes under the estimate, for a request where
     :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
     on all its members (build the plan and estimate it instead).
@@ -43,7 +44,10 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     placement itself so the id cannot be reused: candidates share placements (each is also
     tried with a short micro-batch moved first), and a micro-batch's time does not depend on
     the others costed with it (the cost model's array arithmetic is elementwise). Use one per
-    cost model."""
+    cost model.
+
+    ``stop_above``: ``inf`` for every rank as soon as the step is known to exceed it (a
+    candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`)."""
     n = request.hdp_size
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
@@ -66,4 +70,4 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     pipeline = np.fromiter(chain.from_iterable(rings), dtype=np.int64)
     index = np.repeat(np.arange(len(rings)), np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
     return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
-                                   cost_model.forward_fraction)
+                                   cost_model.forward_fraction, stop_above)

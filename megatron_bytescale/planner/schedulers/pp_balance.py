@@ -143,28 +143,40 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
     if not candidates:
         return []
     n = ctx.hdp_size
-    timed: dict[int, tuple[Placement, Sequence[Unit], float]] = {}  # by id, with the objects (no id reuse)
-    members, times, sizes = [], [], []
-    for k, (placements, units) in enumerate(candidates):
-        by_seqs = None
+    # every distinct placement once, as a row of a table (its stage time, its members' span in
+    # one flat array), by units list and id (all are alive here, so no id is reused); a
+    # candidate is then a list of rows (a reordering of a list seen before is one lookup per
+    # placement) and its flat members and times are numpy gathers
+    tables: dict[int, dict[int, int]] = {}
+    times: list[float] = []
+    rings: list[tuple[int, ...]] = []
+    rows = []
+    for placements, units in candidates:
+        row = tables.setdefault(id(units), {})
+        try:
+            rows.append([row[id(p)] for p in placements])
+            continue
+        except KeyError:
+            pass
+        by_seqs = {u.seqs: u for u in units}
         for p in placements:
-            known = timed.get(id(p))
-            if known is not None and known[0] is p and known[1] is units:
-                times.append(known[2])
-                continue
-            if by_seqs is None:
-                by_seqs = {u.seqs: u for u in units}
-            u = by_seqs[p.seqs]
-            # a single-rank unit on its own rank runs at the time it was costed with
-            t = u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring)
-            timed[id(p)] = (p, units, t)
-            times.append(t)
-        rings = [p.ring for p in placements]
-        # candidate k's pipelines are numbered k * n .. k * n + n - 1
-        members.append(np.fromiter(chain.from_iterable(rings), dtype=np.int64) + k * n)
-        sizes.append(np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
-    flat_t = np.repeat(np.array(times, dtype=float), np.concatenate(sizes))
-    flat_r = np.concatenate(members)
+            if id(p) not in row:
+                u = by_seqs[p.seqs]
+                # a single-rank unit on its own rank runs at the time it was costed with
+                times.append(u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring))
+                row[id(p)] = len(rings)
+                rings.append(p.ring)
+        rows.append([row[id(p)] for p in placements])
+    size = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))
+    members = np.fromiter(chain.from_iterable(rings), dtype=np.int64, count=int(size.sum()))
+    pick = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=sum(map(len, rows)))
+    sizes = size[pick]
+    # entry j of a picked ring: its row's first entry + j, for all picked rings at once
+    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    # candidate k's pipelines are numbered k * n .. k * n + n - 1
+    offset = np.repeat(np.arange(len(rows), dtype=np.int64) * n, [len(r) for r in rows])
+    flat_r = members[np.repeat((np.cumsum(size) - size)[pick], sizes) + within] + np.repeat(offset, sizes)
+    flat_t = np.repeat(np.array(times, dtype=float)[pick], sizes)
     alone = pipelines_alone_flat(flat_r, flat_t, n * len(candidates), pp_size, ctx.cost_model.forward_fraction)
     return [float(x) for x in alone.reshape(len(candidates), n).max(axis=1, initial=0.0)]
 
