@@ -14,7 +14,8 @@ the 'before' columns (the script uses only the public ``make_plan``). Then
         --after h100=AFTER.json --after paper-fit=A2.json
 
 writes section ``pipeline-pp-steps`` of docs/benchmarks.md (``--change next-levels-first``:
-section ``pipeline-next-levels``; ``--change window-and-singles``: ``pipeline-window-singles``).
+section ``pipeline-next-levels``; ``--change window-and-singles``: ``pipeline-window-singles``;
+``--change rings-of-their-own``: ``pipeline-rings-of-their-own``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ CHANGES = {
         "micro-batches lifted before each ring pipeline's first "
         "(`planner/schedulers/pp_balance.py: singles_first`). 'won' is the candidate kept; "
         "**bold**: naive's fill won. Why: docs/pipeline.md, \"The window load and singles first\"."),
+    "rings-of-their-own": (
+        "pipeline-rings-of-their-own", "rings of their own",
+        "'before': the commit before it; 'after': with one more PP-Balance candidate where "
+        "they exist, the rings whose 1F1B floor exceeds the mean work of the other pipelines "
+        "each on pipelines of their own, after one layer of shorter micro-batches "
+        "(`planner/schedulers/pp_isolate.py`), and the planning time's cuts (a candidate's "
+        "timing stops once it exceeds the best; unit sets skipped by the assignment floor). "
+        "'won' is the candidate kept; **bold**: naive's fill won. Why: docs/pipeline.md, "
+        "\"Rings of their own\"."),
 }
 
 

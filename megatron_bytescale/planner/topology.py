@@ -146,6 +146,16 @@ class Topology:
         """The node of HDP rank ``rank``."""
         return self.node_of[rank] if self.node_of is not None else rank // self.ranks_per_node
 
+    def first(self, hdp_size: int) -> "Topology":
+        """The topology of HDP ranks ``0 .. hdp_size - 1`` alone (the same nodes; with a node map,
+        ``ranks_per_node`` is then the largest node among them), for a planner that places some
+        units on those ranks only."""
+        if self.node_of is None:
+            return self
+        if not 0 < hdp_size <= len(self.node_of):
+            raise ValueError(f"{hdp_size} HDP ranks are not a prefix of the node map's {len(self.node_of)}")
+        return Topology.from_node_map(self.node_of[:hdp_size])
+
     def nodes(self, hdp_size: int) -> np.ndarray:
         """Node of every HDP rank 0 .. hdp_size - 1 (int64)."""
         self.check_size(hdp_size)

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.presets import toy_cost_model
+from megatron_bytescale.planner.sharding import ShardingContext, Unit
 
 SCHEDULER_NAMES = ("naive", "balance", "static", "pow2")
 
@@ -40,3 +41,22 @@ def lists_by_rank(placements) -> dict[int, list[int]]:
         for r in p.ring:
             out.setdefault(r, []).append(p.seqs[0])
     return out
+
+
+LINEAR_CM = small_cost_model(num_layers=1, alpha1=0.0, beta1=1e-3, gamma=0.0, p2p_bandwidth_inter=1e30,
+                             p2p_bandwidth_intra=1e30, p2p_latency_s=0.0, ring_step_overhead_s=0.0)
+"""A cost model whose times are worked out by hand: 1 ms per padded token per member, free
+links, one layer, 4 ranks per node (:func:`linear_unit`)."""
+
+
+def linear_ctx(n: int) -> ShardingContext:
+    """A sharding context of ``n`` HDP ranks on :data:`LINEAR_CM`, offload off."""
+    return ShardingContext(capacity=1000, layers=1, cost_model=LINEAR_CM, hdp_size=n, offload=False)
+
+
+def linear_unit(seq: int, length: int, ring: int = 1, ratio: float = 0.0) -> Unit:
+    """Sequence ``seq`` of ``length`` tokens on a ring of ``ring``: ``2 D ceil(L / 2D) / D`` ms
+    per member (zigzag padding), a single ``L`` ms (:data:`LINEAR_CM`)."""
+    time = 2 * ring * -(-length // (2 * ring)) / ring * 1e-3 if ring > 1 else length * 1e-3
+    return Unit(seqs=(seq,), lengths=(length,), ring_size=ring, min_ring_size=ring, time=time,
+                offload_ratio=ratio)

@@ -15,21 +15,8 @@ from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers.balance import pp_balance
 from megatron_bytescale.planner.schedulers.pp_balance import PipelineLoad
 from megatron_bytescale.planner.schedulers.pp_steps import level_steps
-from megatron_bytescale.planner.sharding import ShardingContext, Unit
-from planner_cases import small_cost_model
-
-CM = small_cost_model(num_layers=1, alpha1=0.0, beta1=1e-3, gamma=0.0, p2p_bandwidth_inter=1e30,
-                      p2p_bandwidth_intra=1e30, p2p_latency_s=0.0, ring_step_overhead_s=0.0)
-
-
-def ctx(n: int) -> ShardingContext:
-    return ShardingContext(capacity=1000, layers=1, cost_model=CM, hdp_size=n, offload=False)
-
-
-def unit(seq: int, length: int, ring: int = 1, ratio: float = 0.0) -> Unit:
-    time = 2 * ring * -(-length // (2 * ring)) / ring * 1e-3 if ring > 1 else length * 1e-3
-    return Unit(seqs=(seq,), lengths=(length,), ring_size=ring, min_ring_size=ring, time=time,
-                offload_ratio=ratio)
+from megatron_bytescale.planner.sharding import ShardingContext
+from planner_cases import LINEAR_CM as CM, linear_ctx as ctx, linear_unit as unit, small_cost_model
 
 
 def by_rank(placements, n):

@@ -104,6 +104,7 @@ from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
 from .pp_balance import (alone_floors, busiest_pipeline, next_levels_first, pipeline_floor, pp_balance, short_first, singles_first,
                          unit_times)
+from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
@@ -260,6 +261,9 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             pool.append(("pp-runs-floor", pp_balance(units, ctx, n, window=request.pp_size - 1, **kw), widened, units))
         if widened:
             pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
+        isolated = dominant_rings(units, n, request.pp_size)
+        if isolated:
+            pool.append(("pp-runs-isolated", isolated_runs(units, ctx, n, isolated, finish_times, **kw), widened, units))
         fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
                                   deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
         pool.append(("fill", fill, 0, base))

@@ -15,7 +15,8 @@ from ._common import Placement, placement, split_equal_work
 from .placement import RingPlacer
 
 def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: float,
-               num_buckets: int, fill_drain: int = 0, window: int = 0) -> list[Placement]:
+               num_buckets: int, fill_drain: int = 0, window: int = 0,
+               isolated: Sequence[Unit] = (), layer_cap: float = 0.0) -> list[Placement]:
     """Rings aligned by count groups (widest first), then runs of single-rank units, taken in
     the order of ``units`` (``balance`` passes them longest first, :func:`._common.unit_sort_key`).
 
@@ -27,12 +28,19 @@ def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: fl
     longest micro-batch with the next ``2 window`` in its 1F1B window (:class:`PipelineLoad`):
     the fill-and-drain load charges a pipeline of a long ring in full for the micro-batches
     that would hide in that window, and so gives it too little.
+
+    ``isolated`` rings (:func:`.pp_isolate.dominant_rings`) go first, each on contiguous ranks of
+    its own from the top of ``0 .. n - 1`` down (a block of ``D`` contiguous ranks spans the
+    fewest nodes or one more) after one layer of micro-batches of at most ``layer_cap`` seconds
+    (:func:`_place_isolated`); the other rings and the runs then use only the ranks below.
     """
-    placer = RingPlacer(ctx.nodes, n)
     load = PipelineLoad(n, fill_drain, window, ctx.cost_model.forward_fraction)
-    placements = _place_rings_aligned([u for u in units if u.ring_size > 1], ctx, placer, load)
-    singles = [u for u in units if u.ring_size == 1]
-    placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets)
+    placements, top, taken = _place_isolated(isolated, units, ctx, n, load, layer_cap)
+    rings = [u for u in units if u.ring_size > 1 and u.seqs not in taken]
+    placements += _place_rings_aligned(rings, ctx, RingPlacer(ctx.nodes.first(top), top), load, top)
+    singles = [u for u in units if u.ring_size == 1 and u.seqs not in taken]
+    placements += _place_runs(singles, load, delta=delta, num_buckets=num_buckets,
+                              pipelines=top if isolated else None)
     return placements
 
 
@@ -70,6 +78,12 @@ class PipelineLoad:
     def add(self, r: int, t: float) -> None:
         """Put a micro-batch of stage time ``t`` on pipeline ``r`` (the window load: the load
         :meth:`floor_after` gives, with the new longest stage times kept)."""
+        if not self.window:  # the update the placement loops apply inline
+            x = t - self.longest[r]
+            self.loads[r] += t + self.fill_drain * (x if x > 0.0 else 0.0)
+            if x > 0.0:
+                self.longest[r] = t
+            return
         self.loads[r], top = self._after(r, t)
         if top is not None:
             self.top[r] = top
@@ -181,8 +195,56 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
     return [float(x) for x in alone.reshape(len(candidates), n).max(axis=1, initial=0.0)]
 
 
+def _place_isolated(isolated: Sequence[Unit], units: Sequence[Unit], ctx: ShardingContext, n: int,
+                    pipeline_load: PipelineLoad, cap: float) -> tuple[list[Placement], int, set[tuple[int, ...]]]:
+    """Each ``isolated`` ring on the block of contiguous ranks below the previous one's, from
+    ``n`` down, after one layer of micro-batches of at most ``cap`` seconds that covers its
+    block: the longest other rings that fit what is left of it, then the longest single-rank
+    units, one per rank (a block the units cannot cover gets no layer: every member of a ring
+    must have run as many micro-batches before it). Such a layer is the one micro-batch per
+    member that hides the larger share of its time in the ring's 1F1B window (at PP 2 it costs
+    a third of its time there, against all of it on another pipeline), and it takes rings that
+    would otherwise load the other pipelines unevenly; the cap keeps the ring's members from
+    waiting on a long one. Members' loads are updated. Returns the placements (the layers
+    first), the lowest rank taken and the units placed."""
+    taken: set[tuple[int, ...]] = set()
+    if not isolated:
+        return [], n, taken
+    taken.update(u.seqs for u in isolated)
+    others = [u for u in units if u.ring_size > 1 and u.seqs not in taken]
+    others.sort(key=lambda u: (-u.time, u.seqs[0]))
+    singles = [u for u in units if u.ring_size == 1 and u.time <= cap]  # longest first, as ``units``
+    next_single = 0
+    layers: list[tuple[Unit, tuple[int, ...]]] = []
+    rings: list[tuple[Unit, tuple[int, ...]]] = []
+    top = n
+    for big in isolated:
+        lo = top - big.ring_size
+        layer, cursor, used = [], lo, 0
+        for u in others:
+            if u.seqs not in taken and u.ring_size <= top - cursor and u.time <= cap:
+                layer.append((u, tuple(range(cursor, cursor + u.ring_size))))
+                cursor += u.ring_size
+        while cursor < top and next_single + used < len(singles):
+            layer.append((singles[next_single + used], (cursor,)))
+            cursor, used = cursor + 1, used + 1
+        if cursor == top:
+            layers += layer
+            taken.update(u.seqs for u, _ in layer)
+            next_single += used
+        rings.append((big, tuple(range(lo, top))))
+        top = lo
+    placements = []
+    for u, ring in layers + rings:
+        t = u.time if len(ring) == 1 == u.ring_size else ctx.placed_time(u, ring)
+        for r in ring:
+            pipeline_load.add(r, t)
+        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    return placements, top, taken
+
+
 def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPlacer,
-                         pipeline_load: PipelineLoad) -> list[Placement]:
+                         pipeline_load: PipelineLoad, ranks: int | None = None) -> list[Placement]:
     """Each ring (widest first) on ranks of one count group, on the fewest nodes: the group
     whose fewest-nodes choice (:meth:`.placement.RingPlacer.fewest_nodes`) starts first among
     those that hold the ring on ``ceil(D / ranks_per_node)`` nodes (fewer micro-batches on a
@@ -200,7 +262,9 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     Each group is kept as its ranks' ``(load, rank)`` pairs, sorted, so a group's bound and its d
     least-loaded ranks are read off the front of its list, and the fewest-nodes choice walks the
     list (:meth:`.placement.RingPlacer.fewest_nodes_ranked`, the same choice as ``fewest_nodes``
-    with the group as the eligible mask) instead of sorting a masked view of every node."""
+    with the group as the eligible mask) instead of sorting a masked view of every node.
+
+    Only ranks ``0 .. ranks - 1`` (default all) take rings."""
     load = pipeline_load.loads
     longest = pipeline_load.longest
     fd = pipeline_load.fill_drain
@@ -210,7 +274,7 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     # count -> the ranks that have run that many micro-batches, as (load, rank) pairs sorted: the
     # group's d-th smallest load is entry d - 1 and its d least-loaded ranks (ties by rank) the
     # first d. Only ring members change load here, and each moves one group up.
-    groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load, range(n)))}
+    groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load, range(n if ranks is None else ranks)))}
     count = [0] * n
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
@@ -252,21 +316,22 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
 
 
 def _place_runs(singles: list[Unit], pipeline_load: PipelineLoad, *, delta: float,
-                num_buckets: int) -> list[Placement]:
+                num_buckets: int, pipelines: int | None = None) -> list[Placement]:
     """Alg. 2's runs (the module docstring of :mod:`.balance`, step 4): each target pipeline
     takes consecutive units of one bucket until the next would pass the current max load.
 
-    Each unit updates its pipeline's load as :class:`PipelineLoad` says."""
+    Each unit updates its pipeline's load as :class:`PipelineLoad` says. Only pipelines
+    ``0 .. pipelines - 1`` (default all) take units, and the max is theirs."""
     load = pipeline_load.loads
     longest = pipeline_load.longest
     fd = pipeline_load.fill_drain
     window = pipeline_load.window
-    ranks = range(len(load))
+    ranks = range(len(load) if pipelines is None else pipelines)
     stream = [(b, u) for b, bucket in enumerate(split_equal_work(singles, num_buckets)) for u in bucket]
     total, k = len(stream), 0
     placements: list[Placement] = []
     while k < total:
-        max_t = max(load)
+        max_t = max(load) if pipelines is None else max(load[:pipelines])
         threshold = max_t - delta * max_t
         targets = [r for r in ranks if load[r] < threshold] or list(ranks)
         targets.sort(key=lambda r: (load[r], r))
