@@ -175,15 +175,15 @@ def test_expert_group_plans_are_evened_once_and_named_balance(pp, dataset, seed)
 
 @pytest.mark.parametrize("name, pp, dataset, seed, tokens", [
     ("pp-runs-1f1b", 4, "github", 1, 120_000), ("pp-runs-1f1b", 2, "byted", 1, 60_000),
-    ("pp-runs-1f1b+short-first", 2, "byted", 0, 60_000)])
+    ("pp-runs-1f1b+singles-first", 2, "byted", 0, 60_000)])
 def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name, pp, dataset, seed, tokens,
                                                                             monkeypatch):
     """PP-Balance's second pipeline load charges each pipeline PP - 1 times its longest
     micro-batch (1F1B's fill and drain). Made to win, the candidate must be exactly that run,
-    built here from the public pieces (and its short-first variant, exactly that moved)."""
+    built here from the public pieces (and its singles-first variant, exactly that moved)."""
     from megatron_bytescale.planner.schedulers import DEFAULT_DELTA, DEFAULT_NUM_BUCKETS, build_request
     from megatron_bytescale.planner.schedulers._common import emit_plan, unit_sort_key
-    from megatron_bytescale.planner.schedulers.pp_balance import pp_balance, short_first
+    from megatron_bytescale.planner.schedulers.pp_balance import pp_balance, singles_first
     from megatron_bytescale.planner.schedulers.selective import unit_options
     from megatron_bytescale.planner.schedulers.widen import widen_for_balance
 
@@ -209,8 +209,8 @@ def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name
     units, _ = widen_for_balance(list(base), ctx, 8, pp_size=pp)
     units.sort(key=unit_sort_key)
     placements = pp_balance(units, ctx, 8, delta=DEFAULT_DELTA, num_buckets=DEFAULT_NUM_BUCKETS, fill_drain=pp - 1)
-    if name.endswith("+short-first"):
-        placements = short_first(placements, units)
+    if name.endswith("+singles-first"):
+        placements = singles_first(placements, units, pp - 1)
         assert placements is not None
     expected = emit_plan(request, placements, scheduler="balance")
     assert plan.content_hash() == expected.content_hash()

@@ -66,7 +66,7 @@ def test_every_candidate_is_timed_as_its_plan_would_be(nodes, two_level, terms, 
                 # the winner, built at the end, carries the estimate its timing promised
                 assert plan.estimate.step_time_s == max(plan.estimate.rank_time_s)
     assert checked["n"] > 25 and checked["offloaded"] >= 4 and checked["rings"] > 25, checked
-    assert checked["stopped"] >= 3, checked  # the early stop fires, and only where it may
+    assert checked["stopped"] >= 1, checked  # the early stop fires, and only where it may
 
 
 @pytest.mark.parametrize("pp,hdp,two_level", [(2, 8, False), (4, 16, True)])

@@ -287,15 +287,16 @@ def test_a_ring_moves_onto_one_node_inside_its_count_group():
     (4, 4, [320, 250, 20, 330], "pp-steps-eq3", 0),
     (8, 4, [360, 240, 320, 340], "pp-runs", 1),
     (6, 2, [180, 350, 330, 390], "pp-runs+next-levels-first", 0),
-    (6, 2, [110, 200, 210], "pp-runs-eq3", 0),
+    (8, 4, [300, 50, 250, 180], "pp-runs-floor", 3),
+    (8, 4, [360, 110, 260, 320], "pp-runs-isolated", 2),
     (8, 2, [110, 270, 160, 20], "pp-runs-1f1b", 3),
     (8, 4, [190, 270, 120, 390], "pp-runs-1f1b", 3),
 ])
 def test_pp_balance_keeps_the_fastest_candidate(hdp_size, pp_size, lengths, assignment, widened):
     """PP-Balance plans its candidates (level steps on the widened and on Eq. 3's units, runs on
-    the widened units, the same with the 1F1B fill-and-drain load, runs on Eq. 3's units, Alg. 1's
-    aligned fill), each also with the next levels first, and keeps the fastest by the 1F1B
-    estimate, the first on a tie. These are small
+    the widened units with three loads and with the longest rings on pipelines of their own,
+    Alg. 1's aligned fill), each also with the next levels first and with singles first, and
+    keeps the fastest by the 1F1B estimate, the first on a tie. These are small
     batches of a seeded search on which each candidate wins (the fill, naive's plan, won on none
     of 3,000 such batches once level steps were added; it stays as the safety net), and a valid
     plan covers every token."""

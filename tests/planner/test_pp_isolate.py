@@ -84,16 +84,17 @@ def test_the_layer_cap_walks_towards_the_slower_side():
     work = {u.seqs: u.work for u in UNITS}
     calls = []
 
-    def finish_times(placements):
+    def finish_times(placements, stop_above=None):
         layer = sum(work[p.seqs] for p in placements if p.ring[0] >= 4 and p.seqs != (0,))
-        calls.append(round(layer, 6))
+        calls.append((round(layer, 6), stop_above))
         out = np.full(8, 12.0 - 2 * layer)
         out[4:] = 10.0 + layer
         return out
 
     placements = isolated_runs(sorted(UNITS, key=lambda u: -u.time), ctx(8), 8, [UNITS[0]], finish_times,
                                delta=0.0, num_buckets=1)
-    assert calls == [1.2, 0.65, 0.0]
+    # the first timed to the end (its slower side sets the direction), the others against the best
+    assert [(w, s if s is None else round(s, 6)) for w, s in calls] == [(1.2, None), (0.65, 11.2), (0.0, 10.7)]
     assert lists_by_rank(placements)[6] == [5, 0] and lists_by_rank(placements)[7] == [6, 0]
     assert LAYER_FRACTIONS[2] == 1 / 4  # the walk's start, as the docstring says
 
@@ -105,7 +106,7 @@ def test_the_walk_goes_up_when_the_other_pipelines_finish_last():
     work = {u.seqs: u.work for u in UNITS}
     calls = []
 
-    def finish_times(placements):
+    def finish_times(placements, stop_above=None):
         layer = sum(work[p.seqs] for p in placements if p.ring[0] >= 4 and p.seqs != (0,))
         calls.append(round(layer, 6))
         out = np.full(8, 12.0 - layer)

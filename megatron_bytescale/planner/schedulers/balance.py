@@ -45,13 +45,17 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    next ``2 (PP - 1)`` longest in its window (:func:`..pipeline_floor.idle_floor` with ``k =
    1``): a pipeline of a long ring takes the few micro-batches that hide in that window almost
    for free and little beyond them.
-   Each candidate is also tried with every pipeline running its shortest micro-batch after its
-   last ring first (:func:`.pp_balance.short_first`): the later stages start sooner, rings stay
-   aligned; with the next ``PP - 1`` levels before the first (:func:`.pp_balance.
-   next_levels_first`): their backwards fill the 1F1B window of the longest ring, which
-   otherwise idles; and with the ``PP - 1`` longest single-rank micro-batches after the last
-   ring first instead (:func:`.pp_balance.singles_first`), the same window filled by work that
-   needs no rendezvous. The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
+   Each candidate is also tried with the next ``PP - 1`` levels before the first
+   (:func:`.pp_balance.next_levels_first`): their backwards fill the 1F1B window of the longest
+   ring, which otherwise idles; and with the ``PP - 1`` longest single-rank micro-batches after
+   the last ring first instead (:func:`.pp_balance.singles_first`), the same window filled by
+   work that needs no rendezvous. (A third reordering, each pipeline's shortest micro-batch
+   first, :func:`.pp_balance.short_first`, and the runs on the unwidened units were dropped with
+   PP: neither was ever the only fastest on the 44 Fig. 17 PP cells of both hardware presets,
+   and each candidate costs planning time; docs/pipeline.md, "Rings of their own". At PP 1,
+   with expert groups, short first is the only reordering and stays.) Where rings
+   exist whose 1F1B floor ``PP x t`` is above the mean work of the other pipelines, one more
+   candidate runs them on pipelines of their own (:mod:`.pp_isolate`). The first candidate is the *level-step* assignment (:mod:`.pp_steps`): rings in
    lockstep time steps with the single-rank units longest first beside them (one length level
    per step on every pipeline, so the transitions between levels fall at the same local index
    everywhere), and the units left after the last ring given longest first to the pipeline
@@ -59,8 +63,8 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    to naive's fill on ring-heavy batches (ring waits chain across pipelines whose lists differ
    in shape; docs/pipeline.md, "Why naive's assignment won"); the level steps win there.
 5. **Safety net.** The plan emitted is the fastest by the cost model among this assignment (all three
-   loads with PP), the same on the unwidened units, and Alg. 1's fill of them (with PP each
-   also short-first, next-levels-first and singles-first), over both unit sets; ``meta["assignment"]``
+   loads with PP), the level steps on the unwidened units, and Alg. 1's fill of them (with PP
+   each also next-levels-first and singles-first), over both unit sets; ``meta["assignment"]``
    says which won. At scale the first wins and the others are skipped when they cannot (their
    longest unit is already slower); on tiny batches a greedy can lose by chance (LPT's worst
    case is 4/3 of optimal), and a ring over all ranks can serialise indivisible packs.
@@ -102,7 +106,8 @@ from .candidate_time import finish_times as candidate_finish_times, times_withou
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
-from .pp_balance import (alone_floors, busiest_pipeline, next_levels_first, pipeline_floor, pp_balance, short_first, singles_first,
+from .pp_balance import (alone_floors, busiest_pipeline, next_levels_first, pipeline_floor, pp_balance, short_first,
+                         singles_first,
                          unit_times)
 from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
@@ -223,9 +228,11 @@ def _best_dp_assignment(
 def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) -> tuple[StepPlan, CostModel]:
     """The fastest, by the full 1F1B estimate, of: per unit set (:func:`.selective.unit_options`),
     the level steps (:func:`.pp_steps.level_steps`) on the widened and the unwidened units,
-    PP-Balance's runs on the widened units (three pipeline loads), on the unwidened units and
-    Alg. 1's aligned fill of them (the safety net of :func:`_best_dp_assignment`; with PP,
-    widening trades fewer bubbles for more communication and the estimate decides).
+    PP-Balance's runs on the widened units (three pipeline loads, and the rings of their own of
+    :mod:`.pp_isolate` where there are such rings) and Alg. 1's aligned fill of the unwidened
+    units (the safety net of :func:`_best_dp_assignment`; with PP, widening trades fewer bubbles
+    for more communication and the estimate decides), each as built, with the next levels
+    first and with singles first.
 
     Unit sets go in the order of :func:`_plan_balance`, a set's candidates in the order of their
     1F1B floor (:func:`.pp_balance.alone_floors`); a set or a candidate whose floor is
@@ -245,8 +252,9 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             continue
         seconds: dict = {}  # placement stage times of this unit set's candidates (one cost model)
 
-        def finish_times(placements: list, ctx: ShardingContext = ctx, seconds: dict = seconds) -> np.ndarray:
-            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds) if quick else None
+        def finish_times(placements: list, stop_above: float | None = None, ctx: ShardingContext = ctx,
+                         seconds: dict = seconds) -> np.ndarray:
+            finish = candidate_finish_times(request, placements, ctx.cost_model, seconds, stop_above) if quick else None
             if finish is not None:
                 return finish
             plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
@@ -259,8 +267,6 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
                  ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
         if request.pp_size > 1:
             pool.append(("pp-runs-floor", pp_balance(units, ctx, n, window=request.pp_size - 1, **kw), widened, units))
-        if widened:
-            pool.append(("pp-runs-eq3", pp_balance(sorted(base, key=unit_sort_key), ctx, n, **kw), 0, base))
         isolated = dominant_rings(units, n, request.pp_size)
         if isolated:
             pool.append(("pp-runs-isolated", isolated_runs(units, ctx, n, isolated, finish_times, **kw), widened, units))
@@ -269,15 +275,15 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         pool.append(("fill", fill, 0, base))
         if best is not None:  # no reordering of an assignment beats its busiest pipeline's work
             pool = [c for c in pool if busiest_pipeline(c[1], c[3], ctx) <= best[0] * (1 + 1e-9)]
-        # each also with a short micro-batch first in every pipeline (listed first: it usually
-        # wins, and the original's higher floor then often skips it)
+        # each as built and reordered to fill the longest ring's 1F1B window
         candidates = []
         times = {id(units): unit_times(units), id(base): unit_times(base)}  # built once per set
         for name, placements, grown, units_of in pool:
             time_of = times[id(units_of)]
-            moved = short_first(placements, time_of)
-            if moved is not None:
-                candidates.append((name + "+short-first", moved, grown, units_of))
+            if request.pp_size == 1:  # expert groups: the one reordering there is
+                moved = short_first(placements, time_of)
+                if moved is not None:
+                    candidates.append((name + "+short-first", moved, grown, units_of))
             candidates.append((name, placements, grown, units_of))
             lifted = next_levels_first(placements, request.pp_size - 1)
             if lifted is not None:

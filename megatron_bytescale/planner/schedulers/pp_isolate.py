@@ -54,11 +54,11 @@ stage time."""
 
 
 def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated: Sequence[Unit],
-                  finish_times: Callable[[list[Placement]], np.ndarray], *, delta: float,
-                  num_buckets: int) -> list[Placement]:
+                  finish_times: Callable[..., np.ndarray], *, delta: float, num_buckets: int) -> list[Placement]:
     """PP-Balance's runs with ``isolated`` on pipelines of their own
-    (:func:`.pp_balance.pp_balance`), with the layer cap the 1F1B estimate (``finish_times``)
-    prefers.
+    (:func:`.pp_balance.pp_balance`), with the layer cap the 1F1B estimate prefers:
+    ``finish_times(placements, stop_above)`` gives every pipeline's finish, or ``inf`` once the
+    step exceeds ``stop_above`` (None: time it to the end).
 
     A longer layer before the isolated rings takes more work off the other pipelines and makes
     the rings' members later (a third of its time at PP 2, and a ring waits for its slowest
@@ -70,19 +70,19 @@ def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated:
     t = min(u.time for u in isolated)
     top = n - sum(u.ring_size for u in isolated)
 
-    def timed(k: int) -> tuple[float, bool, list[Placement]]:
+    def timed(k: int, stop_above: float | None = None) -> tuple[float, bool, list[Placement]]:
         placements = pp_balance(units, ctx, n, delta=delta, num_buckets=num_buckets, isolated=isolated,
                                 layer_cap=t * LAYER_FRACTIONS[k])
-        finish = np.asarray(finish_times(placements), dtype=float)
+        finish = np.asarray(finish_times(placements, stop_above), dtype=float)
         rest = float(finish[:top].max(initial=0.0))
         return float(finish.max()), float(finish[top:].max()) >= rest, placements
 
     k = 2
-    best = timed(k)
+    best = timed(k)  # to the end: which side finishes last sets the direction
     step = -1 if best[1] else 1
     while 0 <= k + step < len(LAYER_FRACTIONS):
         k += step
-        other = timed(k)
+        other = timed(k, best[0])  # given up once it is no faster
         if not other[0] < best[0]:
             break
         best = other
