@@ -340,6 +340,12 @@ TARGETS = [
             "x_busiest_pipeline"),
            ("tests/planner/test_pp_singles_first.py", "tests/planner/test_pp_next_levels_first.py",
             "tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_short_first.py")),
+    Target("pp_isolate", "planner/schedulers/pp_isolate.py (rings of their own, the layer-cap walk)",
+           "megatron_bytescale/planner/schedulers/pp_isolate.py", ("*",),
+           ("tests/planner/test_pp_isolate.py",)),
+    Target("pp_layer", "planner/schedulers/pp_balance.py (the layer before isolated rings)",
+           "megatron_bytescale/planner/schedulers/pp_balance.py", ("x__place_isolated",),
+           ("tests/planner/test_pp_isolate.py", "tests/planner/test_planner_pp_balance.py")),
     Target("floors", "planner/pipeline_floor.py (the proved PP lower bounds)",
            "megatron_bytescale/planner/pipeline_floor.py", ("x_idle_floor", "x_assignment_floor"),
            tuple("tests/planner/test_planner_balance_scale.py::" + t for t in (

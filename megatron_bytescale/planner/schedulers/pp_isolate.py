@@ -66,7 +66,7 @@ def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated:
     others carry (docs/pipeline.md, "Rings of their own"). The walk starts at a quarter of the
     shortest isolated ring's time and moves one step of :data:`LAYER_FRACTIONS` at a time
     towards the slower side's relief (a shorter layer when the isolated pipelines finish last),
-    while the step shortens; at most four plans are timed."""
+    while the step shortens; at most three plans are timed."""
     t = min(u.time for u in isolated)
     top = n - sum(u.ring_size for u in isolated)
 
