@@ -888,6 +888,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*pp_balance.xǁPipelineLoadǁ*", r"if len\(top\) > 2 \* w and t <= top\[-1\]:.*  ->  if len\(top\) > (2 \* w and t < top\[-1\]|3 \* w and t <= top\[-1\]):",
      "the shortcut is a fast path: where it is not taken (t equal to the smallest time kept, or "
      "a top list not yet full) the full computation gives the same load"),
+    # planner/schedulers/pp_isolate.py: rings of their own
+    ("*pp_isolate.x_isolated_runs__*", r"finish_times\(placements, stop_above\), dtype=float\)  ->  .*(dtype=None\)|stop_above\), \))",
+     "finish_times returns float64 arrays: asarray keeps them either way"),
     # planner/pipeline_floor.py: the assignment floor
     ("*pipeline_floor.x_assignment_floor__*", r"longest: int = 64\) -> float:  ->  .*longest: int = 65\)",
      "a search width: every width gives a valid bound, and the tests pass theirs"),

@@ -36,6 +36,20 @@ def test_a_ring_is_isolated_while_its_floor_passes_the_mean_of_the_others():
     assert dominant_rings([a, b, *singles], 8, 1) == []  # no pipeline, no 1F1B floor
 
 
+def test_rings_of_one_time_go_widest_first_and_a_tie_with_the_mean_isolates():
+    """10 pipelines, PP 2. Rings A (3 members) and B (4 members) of 1 s, two singles of 1 s: B,
+    the wider, first (6 left would carry (3 + 2) / 6 s), then A (3 left, 2 / 3 s). A ring whose
+    floor equals the mean is isolated: 2 x 1 s against 4 s over 2 pipelines. One pipeline left
+    over is enough for the singles."""
+    a, b = timed(0, 1.0, ring=3), timed(1, 1.0, ring=4)
+    assert dominant_rings([a, b, timed(2, 1.0), timed(3, 1.0)], 10, 2) == [b, a]
+    c = timed(0, 1.0, ring=2)
+    assert dominant_rings([c, timed(1, 2.0), timed(2, 2.0)], 4, 2) == [c]
+    assert dominant_rings([c, timed(1, 2.0), timed(2, 2.0 + 1e-9)], 4, 2) == []
+    assert dominant_rings([timed(0, 3.0, ring=4), timed(1, 0.5)], 5, 2) == [timed(0, 3.0, ring=4)]
+    assert dominant_rings([timed(0, 3.0, ring=5)], 5, 2) == []  # no pipeline left for the others
+
+
 def test_no_ring_is_isolated_where_the_others_could_not_hold_the_widest_left():
     """6 pipelines: isolating A (4 members) leaves 2, and ring B needs 3."""
     a, b = timed(0, 3.0, ring=4), timed(1, 0.5, ring=3)
@@ -61,6 +75,31 @@ def test_the_isolated_ring_runs_after_one_layer_and_the_rest_below():
     assert lists_by_rank(placements) == {0: [1], 1: [1], 2: [5, 6, 7], 4: [2, 0], 5: [2, 0], 6: [3, 0], 7: [4, 0]}
     assert local_indices(placements) is not None  # A at index 1 on all its members (D5)
     assert sorted(p.seqs[0] for p in placements) == list(range(8))
+
+
+def test_two_isolated_rings_each_get_a_layer_and_a_unit_at_the_cap_joins_one():
+    """A and A' (seq 10), rings of 4 at 2 s, on 8-11 and 4-7; cap 0.2 s. A's layer: C (0.2 s,
+    at the cap) on 8, 9, then the longest singles of at most 0.2 s, 0.15 and 0.1, on 10, 11.
+    A''s layer: no ring is left under the cap, so the next singles, 0.05, 0.04, 0.03, 0.02, on
+    4-7. Then B on 0, 1 and the singles left, 0.5 and 0.3, by the runs on 2 and 3 (max 0.6:
+    2 takes 0.5, 0.3 would pass; 3 takes 0.3). Ratios go with the units."""
+    extra = [unit(10, 8000, ring=4, ratio=0.25), unit(8, 40), unit(9, 30), unit(11, 20)]
+    units = sorted(UNITS + extra, key=lambda u: -u.time)
+    placements = pp_balance(units, ctx(12), 12, delta=0.0, num_buckets=1, isolated=[UNITS[0], extra[0]],
+                            layer_cap=0.2)
+    assert lists_by_rank(placements) == {0: [1], 1: [1], 2: [3], 3: [4], 8: [2, 0], 9: [2, 0], 10: [5, 0],
+                                         11: [6, 0], 4: [7, 10], 5: [8, 10], 6: [9, 10], 7: [11, 10]}
+    assert {p.seqs[0]: p.offload_ratio for p in placements}[10] == 0.25
+    assert local_indices(placements) is not None
+
+
+def test_each_block_takes_the_next_singles():
+    """Three isolated rings of 2 (1 s each) on 6-7, 4-5 and 2-3, cap 0.5 s and no other ring:
+    the singles, longest first, cover the blocks two by two in that order."""
+    rings = [unit(k, 2000, ring=2) for k in range(3)]
+    singles = [unit(3 + k, length) for k, length in enumerate((500, 400, 300, 200, 100, 50))]
+    placements = pp_balance(rings + singles, ctx(8), 8, delta=0.0, num_buckets=1, isolated=rings, layer_cap=0.5)
+    assert lists_by_rank(placements) == {6: [3, 0], 7: [4, 0], 4: [5, 1], 5: [6, 1], 2: [7, 2], 3: [8, 2]}
 
 
 def test_a_layer_the_units_under_the_cap_cannot_cover_is_left_out():
@@ -117,6 +156,34 @@ def test_the_walk_goes_up_when_the_other_pipelines_finish_last():
                                delta=0.0, num_buckets=1)
     assert calls == [1.2, 1.6, 1.6]
     assert lists_by_rank(placements)[4] == [1, 0] and lists_by_rank(placements)[6] == [2, 0]
+
+
+def test_the_walk_goes_down_on_a_tie_and_stops_at_either_end_of_the_caps():
+    """Both sides finishing together counts as the isolated side being last: the walk goes to
+    shorter layers (each faster here) and stops at the shortest cap, 1/16. When every plan is
+    faster than the last and the others finish last, it goes up to the longest, 1/2, and
+    stops there."""
+    work = {u.seqs: u.work for u in UNITS}
+    layers = []
+
+    def tie(placements, stop_above=None):
+        layer = sum(work[p.seqs] for p in placements if p.ring[0] >= 4 and p.seqs != (0,))
+        layers.append(round(layer, 6))
+        return np.full(8, 10.0 + layer)
+
+    units = sorted(UNITS, key=lambda u: -u.time)
+    placements = isolated_runs(units, ctx(8), 8, [UNITS[0]], tie, delta=0.0, num_buckets=1)
+    assert layers == [1.2, 0.65, 0.0] and lists_by_rank(placements)[4] == [0]
+    calls = []
+
+    def better_each_time(placements, stop_above=None):
+        calls.append(stop_above)
+        out = np.full(8, 12.0 - 0.1 * len(calls))
+        out[4:] = 0.0
+        return out
+
+    isolated_runs(units, ctx(8), 8, [UNITS[0]], better_each_time, delta=0.0, num_buckets=1)
+    assert len(calls) == 3 and calls[0] is None  # 1/4, 3/8, 1/2: no cap past the last
 
 
 def test_a_node_map_is_cut_to_the_ranks_below_the_isolated_rings():

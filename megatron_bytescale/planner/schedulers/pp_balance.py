@@ -35,7 +35,7 @@ def pp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int, *, delta: fl
     (:func:`_place_isolated`); the other rings and the runs then use only the ranks below.
     """
     load = PipelineLoad(n, fill_drain, window, ctx.cost_model.forward_fraction)
-    placements, top, taken = _place_isolated(isolated, units, ctx, n, load, layer_cap)
+    placements, top, taken = _place_isolated(isolated, units, n, layer_cap)
     rings = [u for u in units if u.ring_size > 1 and u.seqs not in taken]
     placements += _place_rings_aligned(rings, ctx, RingPlacer(ctx.nodes.first(top), top), load, top)
     singles = [u for u in units if u.ring_size == 1 and u.seqs not in taken]
@@ -78,12 +78,6 @@ class PipelineLoad:
     def add(self, r: int, t: float) -> None:
         """Put a micro-batch of stage time ``t`` on pipeline ``r`` (the window load: the load
         :meth:`floor_after` gives, with the new longest stage times kept)."""
-        if not self.window:  # the update the placement loops apply inline
-            x = t - self.longest[r]
-            self.loads[r] += t + self.fill_drain * (x if x > 0.0 else 0.0)
-            if x > 0.0:
-                self.longest[r] = t
-            return
         self.loads[r], top = self._after(r, t)
         if top is not None:
             self.top[r] = top
@@ -195,8 +189,8 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
     return [float(x) for x in alone.reshape(len(candidates), n).max(axis=1, initial=0.0)]
 
 
-def _place_isolated(isolated: Sequence[Unit], units: Sequence[Unit], ctx: ShardingContext, n: int,
-                    pipeline_load: PipelineLoad, cap: float) -> tuple[list[Placement], int, set[tuple[int, ...]]]:
+def _place_isolated(isolated: Sequence[Unit], units: Sequence[Unit], n: int,
+                    cap: float) -> tuple[list[Placement], int, set[tuple[int, ...]]]:
     """Each ``isolated`` ring on the block of contiguous ranks below the previous one's, from
     ``n`` down, after one layer of micro-batches of at most ``cap`` seconds that covers its
     block: the longest other rings that fit what is left of it, then the longest single-rank
@@ -205,8 +199,8 @@ def _place_isolated(isolated: Sequence[Unit], units: Sequence[Unit], ctx: Shardi
     member that hides the larger share of its time in the ring's 1F1B window (at PP 2 it costs
     a third of its time there, against all of it on another pipeline), and it takes rings that
     would otherwise load the other pipelines unevenly; the cap keeps the ring's members from
-    waiting on a long one. Members' loads are updated. Returns the placements (the layers
-    first), the lowest rank taken and the units placed."""
+    waiting on a long one. Returns the placements (the layers first), the lowest rank taken and
+    the units placed. (No load is kept for these pipelines: nothing else goes to them.)"""
     taken: set[tuple[int, ...]] = set()
     if not isolated:
         return [], n, taken
@@ -234,12 +228,7 @@ def _place_isolated(isolated: Sequence[Unit], units: Sequence[Unit], ctx: Shardi
             next_single += used
         rings.append((big, tuple(range(lo, top))))
         top = lo
-    placements = []
-    for u, ring in layers + rings:
-        t = u.time if len(ring) == 1 == u.ring_size else ctx.placed_time(u, ring)
-        for r in ring:
-            pipeline_load.add(r, t)
-        placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    placements = [Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio) for u, ring in layers + rings]
     return placements, top, taken
 
 

@@ -74,7 +74,7 @@ def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated:
         placements = pp_balance(units, ctx, n, delta=delta, num_buckets=num_buckets, isolated=isolated,
                                 layer_cap=t * LAYER_FRACTIONS[k])
         finish = np.asarray(finish_times(placements, stop_above), dtype=float)
-        rest = float(finish[:top].max(initial=0.0))
+        rest = float(finish[:top].max())  # dominant_rings leaves at least one pipeline
         return float(finish.max()), float(finish[top:].max()) >= rest, placements
 
     k = 2
