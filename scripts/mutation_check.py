@@ -329,7 +329,8 @@ TARGETS = [
            ("tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_next_levels_first.py",
             "tests/planner/test_planner_balance_units.py",
             "tests/planner/test_planner_balance_scale.py::test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds",
-            "tests/planner/test_planner_schedulers.py", "tests/planner/test_pp_short_first.py")),
+            "tests/planner/test_planner_schedulers.py", "tests/planner/test_pp_short_first.py",
+            "tests/planner/test_pp_isolate.py")),
     Target("wavefront", "planner/wavefront.py (the 1F1B estimate in wavefronts)",
            "megatron_bytescale/planner/wavefront.py", ("*",),
            ("tests/planner/test_wavefront.py", "tests/planner/test_candidate_time.py",
@@ -428,6 +429,11 @@ TARGETS = [
 
 # Surviving mutants that no test can kill, with the reason. Keyed by (mutant-name glob, a regex
 # the mutation "original  ->  mutated" must match), so renumbering after unrelated edits keeps them.
+_SPEED = ("speed only: the stop at the best step so far, the cache of stage times and the "
+          "skip of families whose busiest pipeline is already slower never change which "
+          "candidate wins or its floats (tests/planner/test_balance_candidate_choice.py::"
+          "test_skipping_by_the_floors_never_changes_the_plan, test_candidate_time.py); without "
+          "them planning only takes longer")
 TOLERANCE = ("a float tolerance (1e-9 or 1e-12 relative): the outcome differs only when two times "
              "agree to that many digits")
 EQUIVALENT: list[tuple[str, str, str]] = [
@@ -888,6 +894,22 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*pp_balance.xǁPipelineLoadǁ*", r"if len\(top\) > 2 \* w and t <= top\[-1\]:.*  ->  if len\(top\) > (2 \* w and t < top\[-1\]|3 \* w and t <= top\[-1\]):",
      "the shortcut is a fast path: where it is not taken (t equal to the smallest time kept, or "
      "a top list not yet full) the full computation gives the same load"),
+    # planner/schedulers/balance.py: the cuts of planning time (skips that never change the plan)
+    ("*.balance.x__best_pp_plan__*", r"(seconds, stop_above\) if quick else None|ctx\.cost_model, seconds,)  ->  ",
+     _SPEED),
+    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)\]",
+     _SPEED),
+    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*\) < best\[0\] \* \(1 \+ 1e-9\)\]",
+     "a family whose busiest pipeline equals the best step can at most tie it, and a tie goes to "
+     "the earlier candidate, the best"),
+    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))\]",
+     TOLERANCE),
+    ("*.balance.x__best_pp_plan__*", r"if request\.pp_size > 1:  ->  if request\.pp_size >= 1:",
+     "at PP 1 the window load's window is 0, which is the plain runs' load: a second copy of "
+     "an earlier candidate, which can only tie it and loses the tie"),
+    ("*.balance.x__units_floor__*", r"return floor\(units\) if base is units else .*  ->  return floor\(units\) if \(base is units\) and False",
+     "with base the very list of units, min(floor(units), floor(base)) is floor(units): the "
+     "branch only saves computing it twice"),
     # planner/schedulers/pp_isolate.py: rings of their own
     ("*pp_isolate.x_isolated_runs__*", r"finish_times\(placements, stop_above\), dtype=float\)  ->  .*(dtype=None\)|stop_above\), \))",
      "finish_times returns float64 arrays: asarray keeps them either way"),
@@ -916,6 +938,14 @@ _LENGTHS = "tests/planner/test_lengths_reader_limits.py"
 _PLAN_JSON = "tests/planner/test_plan_json_fields.py"
 _CHOICE = "tests/planner/test_balance_candidate_choice.py::"
 KILLED_SINCE: list[tuple[str, str, str]] = [
+    ("*.balance.x__best_pp_plan__*", r"if request\.pp_size > 1:  ->  if request\.pp_size > 2:",
+     "tests/planner/test_planner_pp_balance.py::test_pp_balance_keeps_the_fastest_candidate"),
+    ("*.balance.x__best_pp_plan__*", r"window=request\.pp_size - 1, \*\*kw\), widened, units\)\)  ->  .*window=request\.pp_size (\+ 1|- 2),",
+     "tests/planner/test_planner_pp_balance.py::test_pp_balance_keeps_the_fastest_candidate"),
+    ("*.balance.x__best_pp_plan__*", r"singles_first\(placements, time_of, request\.pp_size - 1\)  ->  .*request\.pp_size \+ 1\)",
+     _CHOICE + "test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages"),
+    ("*.balance.x__units_floor__*", r"(if pp > 1 and of:|assignment_floor\(\[\(u\.time, u\.ring_size\) for u in of\]|return floor\(units\) if base is units else).*  ->  ",
+     _CHOICE + "test_the_unit_set_floor_by_hand"),
     ("*pp_balance.x__place_rings_aligned__*", r"\(0, start, c\) >= best\[0\]:  ->  .*\(0, start, c\) >= best\[1\]:",
      "tests/planner/test_planner_pp_balance.py::test_a_later_count_group_that_fits_one_node_beats_an_earlier_one_that_must_wait"),
     ("*pp_balance.x__place_rings_aligned__*", r"load\[r\] \+= t \+ fd \* \(x if x > 0\.0 else 0\.0\)  ->  .*\(x if \(x > 0\.0\) or True else 0\.0\)",

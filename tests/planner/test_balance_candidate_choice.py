@@ -69,6 +69,35 @@ def _nothing_skipped(patch) -> None:
                   real(request, placements, cost_model, seconds))
 
 
+def test_the_unit_set_floor_by_hand():
+    """Three single-rank units of 1 s on 2 pipelines: at PP 1 the floor is their work over the
+    pipelines, 1.5 s (the assignment floor, 2 s by pigeonhole, is for PP only: at PP 1 the
+    skip keeps the bound it had); at PP 2 some pipeline holds two of them, which 1F1B makes
+    (PP + 1) x 1 = 3 s, above both the work and PP x the longest (2 s). With a different
+    unwidened set the floor is the smaller of the two sets' (each holds for its own
+    candidates), and where a node map, two-level rings or a network faster than a node's links
+    could make placed times shorter, it is 0."""
+    from types import SimpleNamespace
+
+    from planner_cases import LINEAR_CM
+    from megatron_bytescale.planner.sharding import Unit
+
+    def one(seq, seconds, ring=1):
+        return Unit(seqs=(seq,), lengths=(1,), ring_size=ring, min_ring_size=ring, time=seconds)
+
+    def request(pp, cm=LINEAR_CM, topology=None):
+        return SimpleNamespace(cost_model=cm, topology=topology, hdp_size=2, pp_size=pp)
+
+    units = [one(0, 1.0), one(1, 1.0), one(2, 1.0)]
+    assert balance_mod._units_floor(units, units, request(1)) == 1.5
+    assert balance_mod._units_floor(units, units, request(2)) == pytest.approx(3.0)
+    widened, base = [one(0, 1.0, ring=2)], [one(0, 0.5)]
+    assert balance_mod._units_floor(widened, base, request(1)) == 0.5
+    assert balance_mod._units_floor(base, widened, request(1)) == 0.5
+    assert balance_mod._units_floor(units, units, request(2, LINEAR_CM.with_(two_level_ring=True))) == 0.0
+    assert balance_mod._units_floor(units, units, request(2, topology=Topology(ranks_per_node=1))) == 0.0
+
+
 def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
     """Without this the test above could pass with floors that never skip anything."""
     skipped = 0
@@ -175,7 +204,8 @@ def test_expert_group_plans_are_evened_once_and_named_balance(pp, dataset, seed)
 
 @pytest.mark.parametrize("name, pp, dataset, seed, tokens", [
     ("pp-runs-1f1b", 4, "github", 1, 120_000), ("pp-runs-1f1b", 2, "byted", 1, 60_000),
-    ("pp-runs-1f1b+singles-first", 2, "byted", 0, 60_000)])
+    ("pp-runs-1f1b+singles-first", 2, "byted", 0, 60_000),
+    ("pp-runs-1f1b+singles-first", 2, "byted", 1, 120_000)])  # here a lead of PP + 1 would lift more
 def test_the_1f1b_runs_are_pp_balance_with_the_fill_and_drain_of_the_stages(name, pp, dataset, seed, tokens,
                                                                             monkeypatch):
     """PP-Balance's second pipeline load charges each pipeline PP - 1 times its longest

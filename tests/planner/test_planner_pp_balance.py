@@ -288,6 +288,9 @@ def test_a_ring_moves_onto_one_node_inside_its_count_group():
     (8, 4, [360, 240, 320, 340], "pp-runs", 1),
     (6, 2, [180, 350, 330, 390], "pp-runs+next-levels-first", 0),
     (8, 4, [300, 50, 250, 180], "pp-runs-floor", 3),
+    (8, 4, [160, 320, 250, 20, 330], "pp-runs-floor", 2),  # a window of PP + 1 changes it
+    (8, 4, [170, 10, 270, 210, 100], "pp-runs-floor", 4),  # and one of PP - 2
+    (8, 2, [140, 70, 240, 320], "pp-runs-floor+next-levels-first", 2),
     (8, 4, [360, 110, 260, 320], "pp-runs-isolated", 2),
     (8, 2, [110, 270, 160, 20], "pp-runs-1f1b", 3),
     (8, 4, [190, 270, 120, 390], "pp-runs-1f1b", 3),

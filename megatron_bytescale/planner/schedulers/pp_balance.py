@@ -382,7 +382,10 @@ def short_first(placements: Sequence[Placement],
     ``pp - 1`` stages, and PP-Balance starts pipelines with their rings, the longest work they
     have. A short micro-batch first lets the later stages start sooner. Every pipeline of a ring
     gains exactly one micro-batch before it, so rings keep the same local index on all their
-    members (D5). On the Fig. 17 PP cells (H100 preset) this shortens the step by 0.5-1.5 %."""
+    members (D5). On the Fig. 17 PP cells (H100 preset) this shortened the step by 0.5-1.5 %
+    when it came; since the next levels first and singles first, which fill the same window
+    better, it was never the only fastest there, and ``balance`` tries it only at PP 1 (expert
+    groups), where it is the one reordering."""
     time_of = unit_times(units)
     last_ring = last_rings(placements)
     if not last_ring:
