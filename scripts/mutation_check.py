@@ -910,6 +910,24 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*.balance.x__units_floor__*", r"return floor\(units\) if base is units else .*  ->  return floor\(units\) if \(base is units\) and False",
      "with base the very list of units, min(floor(units), floor(base)) is floor(units): the "
      "branch only saves computing it twice"),
+    # planner/wavefront.py: the early stop against the best so far
+    ("*wavefront.x__run__*", r"(f_next = np\.clip\(\(key - 1 - stages\) // 2 \+ 1, 0, depth\)|b_next = np\.clip\(\(key - 2 \* pp \+ stages\) // 2 \+ 1, 0, depth\)|bound = last \+ left\[f_next, 0\] \+ left\[b_next, 1\])  ->  ",
+     "each of these mutants counts less of the work left (a later index, a clip to the all-zero "
+     "last row, or the forwards' work subtracted), so the bound is weaker but still a lower "
+     "bound: the stop fires later or not at all, which costs speed only; one that counted more "
+     "work (a stronger, wrong bound) fails test_candidate_time.py, which checks every stop"),
+    ("*wavefront.x__run__*", r"left = np\.zeros\(\(depth \+ 1, 2, n\)\)  ->  left = np\.zeros\(\(depth \+ 2,",
+     "an extra all-zero row past the last index read (depth)"),
+    ("*wavefront.x__run__*", r"if bound\.max\(\) > stop_above \* \(1 \+ 1e-9\):  ->  .*>= stop_above", TOLERANCE),
+    # planner/schedulers/pp_balance.py: the runs below the isolated rings
+    ("*pp_balance.x__place_runs__*", r"max_t = max\(load\) if pipelines is None else max\(load\[:pipelines\]\)  ->  ",
+     "load[:None] is the whole list, and past `pipelines` (the isolated rings' pipelines) no load "
+     "is ever added, so the max over all is the max over the first ones: the slice keeps the "
+     "contract if that ever changes"),
+    ("*pp_balance.x_pp_balance__*", r"pipelines=top if isolated else None\)  ->  .*\(isolated\) or True",
+     "without isolated rings top is n, and runs over the first n pipelines are runs over all"),
+    ("*pp_balance.x_pp_balance__*", r"layer_cap: float = 0\.0\) -> list\[Placement\]:  ->  .*layer_cap: float = 1\.0\)",
+     "the default is read only with isolated rings, and every caller that gives them gives a cap"),
     # planner/schedulers/pp_isolate.py: rings of their own
     ("*pp_isolate.x_isolated_runs__*", r"finish_times\(placements, stop_above\), dtype=float\)  ->  .*(dtype=None\)|stop_above\), \))",
      "finish_times returns float64 arrays: asarray keeps them either way"),
