@@ -150,7 +150,9 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     for index, (choice, ctx, base) in enumerate(unit_options(request)):
         units, widened = widen_for_balance(list(base), ctx, n, pp_size=request.pp_size)
         units.sort(key=unit_sort_key)
-        options.append((_units_floor(units, base, request), index, choice, ctx, base, units, widened))
+        # with nothing widened the two lists hold the same units: their floor once
+        options.append((_units_floor(units, base if widened else units, request), index, choice, ctx, base, units,
+                        widened))
     # the set with the lowest floor first; a later one whose floor is already slower than the
     # best plan cannot win (ties go to the earlier set of unit_options: no offload)
     options.sort(key=lambda o: (o[0], o[1]))
