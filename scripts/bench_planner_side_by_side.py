@@ -30,10 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
 
-# The worker: reads "kind dataset context repeats" lines, answers each with the CPU seconds of
+# The worker: names the planner file it imported, then reads "kind dataset context repeats" lines, answers each with the CPU seconds of
 # its runs (a JSON list). Only public APIs, so an older checkout runs it too.
 WORKER = r"""
 import json, sys, time
+import megatron_bytescale
+print(megatron_bytescale.__file__, flush=True)  # which checkout it runs: the driver checks
 from megatron_bytescale.data.synthetic import synthetic_lengths
 from megatron_bytescale.planner.presets import preset_cost_model
 from megatron_bytescale.planner.schedulers import make_plan
@@ -71,8 +73,13 @@ def measure(before: Path, after: Path, repeats: int, rounds: int) -> dict:
     workers = {}
     for name, path in (("before", before), ("after", after)):
         env = dict(os.environ, PYTHONPATH=str(path.resolve()), PYTHONWARNINGS="ignore")
+        # run in the checkout: ``python -c`` puts the working directory first on sys.path, so
+        # from another checkout's root both workers would import that one's planner
         workers[name] = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, env=env)
+                                         stdout=subprocess.PIPE, text=True, env=env, cwd=str(path.resolve()))
+        where = Path(workers[name].stdout.readline().strip() or ".").resolve()
+        if path.resolve() not in where.parents:
+            raise SystemExit(f"the {name} worker imported the planner from {where}, not from {path}")
     out: dict = {}
     try:
         for r in range(rounds):
