@@ -335,12 +335,15 @@ TARGETS = [
            "megatron_bytescale/planner/wavefront.py", ("*",),
            ("tests/planner/test_wavefront.py", "tests/planner/test_candidate_time.py",
             "tests/planner/test_planner_order_estimate.py", "tests/planner/test_pipeline_floor.py")),
-    Target("pp_orders", "planner/schedulers/pp_balance.py (window load, reorderings, family skip)",
+    Target("pp_orders", "planner/schedulers/pp_balance.py (window load, reorderings)",
            "megatron_bytescale/planner/schedulers/pp_balance.py",
-           ("xǁPipelineLoadǁ*", "x_next_levels_first", "x_local_indices", "x_singles_first", "x_unit_times",
-            "x_busiest_pipeline"),
+           ("xǁPipelineLoadǁ*", "x_next_levels_first", "x_local_indices", "x_singles_first", "x_unit_times"),
            ("tests/planner/test_pp_singles_first.py", "tests/planner/test_pp_next_levels_first.py",
             "tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_short_first.py")),
+    Target("pp_floors", "planner/schedulers/pp_floors.py (a candidate's floors: order-free, run alone)",
+           "megatron_bytescale/planner/schedulers/pp_floors.py", ("*",),
+           ("tests/planner/test_planner_pp_balance.py", "tests/planner/test_wavefront.py",
+            "tests/planner/test_balance_candidate_choice.py", "tests/planner/test_pp_isolate.py")),
     Target("pp_isolate", "planner/schedulers/pp_isolate.py (rings of their own, the layer-cap walk)",
            "megatron_bytescale/planner/schedulers/pp_isolate.py", ("*",),
            ("tests/planner/test_pp_isolate.py",)),
@@ -430,7 +433,7 @@ TARGETS = [
 # Surviving mutants that no test can kill, with the reason. Keyed by (mutant-name glob, a regex
 # the mutation "original  ->  mutated" must match), so renumbering after unrelated edits keeps them.
 _SPEED = ("speed only: the stop at the best step so far, the cache of stage times and the "
-          "skip of families whose busiest pipeline is already slower never change which "
+          "skip of families whose order-free floor is already slower never change which "
           "candidate wins or its floats (tests/planner/test_balance_candidate_choice.py::"
           "test_skipping_by_the_floors_never_changes_the_plan, test_candidate_time.py); without "
           "them planning only takes longer")
@@ -897,12 +900,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # planner/schedulers/balance.py: the cuts of planning time (skips that never change the plan)
     ("*.balance.x__best_pp_plan__*", r"(seconds, stop_above\) if quick else None|ctx\.cost_model, seconds,)  ->  ",
      _SPEED),
-    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)\]",
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)\]",
      _SPEED),
-    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*\) < best\[0\] \* \(1 \+ 1e-9\)\]",
-     "a family whose busiest pipeline equals the best step can at most tie it, and a tie goes to "
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*\) < best\[0\] \* \(1 \+ 1e-9\)\]",
+     "a family whose order-free floor equals the best step can at most tie it, and a tie goes to "
      "the earlier candidate, the best"),
-    ("*.balance.x__best_pp_plan__*", r"busiest_pipeline\(c\[1\], c\[3\], ctx\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))\]",
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))\]",
      TOLERANCE),
     ("*.balance.x__best_pp_plan__*", r"if request\.pp_size > 1:  ->  if request\.pp_size >= 1:",
      "at PP 1 the window load's window is 0, which is the plain runs' load: a second copy of "

@@ -60,3 +60,18 @@ def linear_unit(seq: int, length: int, ring: int = 1, ratio: float = 0.0) -> Uni
     time = 2 * ring * -(-length // (2 * ring)) / ring * 1e-3 if ring > 1 else length * 1e-3
     return Unit(seqs=(seq,), lengths=(length,), ring_size=ring, min_ring_size=ring, time=time,
                 offload_ratio=ratio)
+
+
+def nothing_skipped(patch) -> None:
+    """``balance`` with no unit set or candidate skipped by a floor, and every candidate timed to
+    its end (``patch``: a pytest ``MonkeyPatch``): the reference a plan made with the skips must
+    equal."""
+    import megatron_bytescale.planner.schedulers.balance as balance_mod
+
+    real = balance_mod.candidate_finish_times
+    patch.setattr(balance_mod, "_units_floor", lambda *args: 0.0)
+    patch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
+    patch.setattr(balance_mod, "order_free_floor", lambda *args, **kwargs: 0.0)
+    patch.setattr(balance_mod, "candidate_finish_times",
+                  lambda request, placements, cost_model, seconds=None, stop_above=None:
+                  real(request, placements, cost_model, seconds))

@@ -3,8 +3,8 @@
 `balance` plans several candidates (per unit set of selective offload: DP-Balance's LPT and fill;
 with PP the level steps, PP-Balance's runs, the aligned fill, each also short-first) and keeps
 the fastest by the estimate, ties to the earlier one. To save estimates it skips a unit set or
-a candidate whose lower bound (`_units_floor`, `alone_floors`) is already slower than the best
-so far, and stops timing a candidate once its step is known to exceed the best. That skip is
+a candidate whose lower bound (`_units_floor`, `order_free_floor`, `alone_floors`) is already
+slower than the best so far, and stops timing a candidate once its step is known to exceed the best. That skip is
 only an optimisation: here every plan is compared with the plan made with both floors at zero
 and every candidate timed to its end (nothing skipped), on seeded batches where the floors are in force (no node
 map, flat rings, the network slower than a node's links) and where they are not. A floor
@@ -22,7 +22,7 @@ import megatron_bytescale.planner.schedulers.balance as balance_mod
 from megatron_bytescale.data.synthetic import synthetic_lengths
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.topology import Topology
-from planner_cases import small_cost_model
+from planner_cases import nothing_skipped, small_cost_model
 
 # (dataset, seed, tokens, HDP ranks, PP, offload, node map, two-level rings)
 CASES = [(ds, seed, tokens, hdp, pp, offload, nodes, two_level)
@@ -55,18 +55,8 @@ def _key(plan):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_skipping_by_the_floors_never_changes_the_plan(case, monkeypatch):
     planned = _key(_plan(case))
-    _nothing_skipped(monkeypatch)
+    nothing_skipped(monkeypatch)
     assert planned == _key(_plan(case))
-
-
-def _nothing_skipped(patch) -> None:
-    """No unit set or candidate skipped by a floor, and every candidate timed to its end."""
-    real = balance_mod.candidate_finish_times
-    patch.setattr(balance_mod, "_units_floor", lambda *args: 0.0)
-    patch.setattr(balance_mod, "alone_floors", lambda candidates, *args, **kwargs: [0.0] * len(candidates))
-    patch.setattr(balance_mod, "candidate_finish_times",
-                  lambda request, placements, cost_model, seconds=None, stop_above=None:
-                  real(request, placements, cost_model, seconds))
 
 
 def test_the_unit_set_floor_by_hand():
@@ -120,7 +110,7 @@ def test_the_cases_exercise_the_skip_and_more_than_one_winner(monkeypatch):
         plan = _plan(case)
         with_floors = calls["n"]
         with monkeypatch.context() as floors_off:
-            _nothing_skipped(floors_off)
+            nothing_skipped(floors_off)
             calls["n"] = 0
             _plan(case)
             without = calls["n"]

@@ -17,7 +17,7 @@ from megatron_bytescale.planner import wavefront
 from megatron_bytescale.planner.estimate import estimate_plan, micro_batch_costs
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers._common import emit_plan
-from megatron_bytescale.planner.schedulers.candidate_time import finish_times, times_without_plan
+from megatron_bytescale.planner.schedulers.candidate_time import finish_times, time_key, times_without_plan
 from megatron_bytescale.planner.topology import Topology
 from planner_cases import small_cost_model
 
@@ -101,15 +101,21 @@ def test_stage_times_kept_for_the_placements_of_another_candidate():
         placements = pp_balance(units, ctx, 8, delta=0.05, num_buckets=4, fill_drain=3)
         moved = short_first(placements, units)
         again = [replace(p) for p in placements]  # equal contents, new objects
+        # the same units on other ranks: each rank's singles go to the next rank (another
+        # assignment of the set), rings stay
+        ranks = sorted({p.ring[0] for p in placements if len(p.ring) == 1})
+        shift = dict(zip(ranks, ranks[1:] + ranks[:1]))
+        shifted = [replace(p, ring=(shift[p.ring[0]],)) if len(p.ring) == 1 else p for p in placements]
+        assert shifted != placements
         seconds: dict = {}
-        for candidate in (placements, moved, again, placements):
+        for candidate in (placements, moved, again, shifted, placements):
             if candidate is None:
                 continue
             plan = emit_plan(replace(request, pieces=False), candidate, scheduler="balance")
             want = np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
             got = finish_times(request, candidate, ctx.cost_model, seconds)
             assert got is None or np.array_equal(got, want)
-        assert {id(p) for p in placements} <= seconds.keys()
+        assert {time_key(p) for p in placements} == seconds.keys()  # nothing costed twice
 
 
 def test_candidates_with_expert_groups_or_one_stage_are_estimated_from_their_plan():
@@ -149,15 +155,21 @@ def test_a_ring_across_a_boundary_of_the_given_node_map_and_the_kept_stage_times
     seconds: dict = {}
     assert np.array_equal(finish_times(request, placements, cm, seconds), want)
     costs = micro_batch_costs(plan, cm)  # the stage time of order k, the k-th placement
-    assert seconds == {id(p): (p, t) for p, t in zip(placements, costs.seconds.tolist())}
+    assert seconds == {time_key(p): t for p, t in zip(placements, costs.seconds.tolist())}
     assert costs.orders.tolist() == list(range(len(placements)))
-    # a kept time is used for the same object, not for an equal new one
+    # a kept time is used for every micro-batch with its key: the same ring (an equal new
+    # object too), the same unit alone on another rank; a ring on other members is costed anew
     ring = placements[0]
-    seconds[id(ring)] = (ring, seconds[id(ring)][1] * 10)
+    seconds[time_key(ring)] *= 10
     slower = finish_times(request, placements, cm, seconds)
     assert slower[2] > want[2] and slower[3] > want[3]
-    fresh = [replace(p) for p in placements]
-    assert np.array_equal(finish_times(request, fresh, cm, seconds), want)
+    assert np.array_equal(finish_times(request, [replace(p) for p in placements], cm, seconds), slower)
+    seconds[time_key(placements[1])] *= 10  # sequence 1 alone on rank 0, now on rank 4
+    swapped = [ring, replace(placements[1], ring=(4,)), placements[2], replace(placements[3], ring=(0,))] + placements[4:]
+    assert finish_times(request, swapped, cm, seconds)[4] > slower[4]
+    other = [Placement(ring=(1, 2), seqs=(0,)), Placement(ring=(0,), seqs=(1,)), Placement(ring=(3,), seqs=(2,))] + placements[3:]
+    plan = emit_plan(replace(request, pieces=False), other, scheduler="balance")
+    assert np.array_equal(finish_times(request, other, cm, seconds)[1:3], estimate_plan(plan, cm).rank_time_s[1:3])
 
 
 @pytest.mark.parametrize("pp,hdp,two_level,seq_split", [(2, 8, False, False), (4, 16, True, False),

@@ -258,18 +258,32 @@ class PipelineLoadProbe:
         return self.load.loads[0]
 
 
-def test_the_busiest_pipeline_is_its_stage_work_rings_timed_where_they_sit():
+def test_the_order_free_floor_is_the_stage_work_plus_the_longest_micro_batch_idle():
     """Pipelines 0-3 on one node: a ring of 2 (2,000 tokens: 1.0 s on each member), singles of
-    0.5 and 0.3 s on pipeline 1 and 0.2 s on pipeline 3: pipeline 1 holds 1.8 s."""
-    from megatron_bytescale.planner.schedulers._common import Placement
-    from megatron_bytescale.planner.schedulers.pp_balance import busiest_pipeline
+    0.5, 0.3 and 0.2 s on pipeline 1 and 0.1 s on pipeline 3. One stage: the busiest pipeline's
+    work, 2.0 s. PP 2 (w = 1): pipeline 1 adds w x 1.0 less the larger share of 0.5 and the
+    smaller of 0.3. PP 3 (w = 2): 2 x 1.0 less the larger share of 0.5 + 0.3 and the smaller of
+    0.2; pipeline 0 holds the ring alone, 1.0 + 2 x 1.0. And no order of the micro-batches runs
+    faster alone than the bound."""
+    import itertools
 
-    units = [unit(0, 2000, ring=2), unit(1, 500), unit(2, 300), unit(3, 200)]
+    from megatron_bytescale.planner.schedulers._common import Placement
+    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, order_free_floor
+
+    units = [unit(0, 2000, ring=2), unit(1, 500), unit(2, 300), unit(3, 200), unit(4, 100)]
     placements = [Placement(ring=(0, 1), seqs=(0,)), Placement(ring=(1,), seqs=(1,)),
-                  Placement(ring=(1,), seqs=(2,)), Placement(ring=(3,), seqs=(3,))]
-    assert busiest_pipeline(placements, units, ctx(4)) == pytest.approx(1.8)
-    assert busiest_pipeline(placements[3:], units, ctx(4)) == pytest.approx(0.2)
-    assert busiest_pipeline([], units, ctx(4)) == 0.0
+                  Placement(ring=(1,), seqs=(2,)), Placement(ring=(1,), seqs=(3,)), Placement(ring=(3,), seqs=(4,))]
+    big, small = max(CM.forward_fraction, 1 - CM.forward_fraction), min(CM.forward_fraction, 1 - CM.forward_fraction)
+    assert big > small  # the two shares differ, so a swap of them is seen
+    assert order_free_floor(placements, units, ctx(4), 1) == pytest.approx(2.0)
+    assert order_free_floor(placements, units, ctx(4), 2) == pytest.approx(3.0 - 0.5 * big - 0.3 * small)
+    assert order_free_floor(placements, units, ctx(4), 3) == pytest.approx(max(4.0 - 0.8 * big - 0.2 * small, 3.0))
+    assert order_free_floor(placements[4:], units, ctx(4), 2) == pytest.approx(0.2)
+    assert order_free_floor([], units, ctx(4), 2) == 0.0
+    for pp in (2, 3):
+        bound = order_free_floor(placements, units, ctx(4), pp)
+        assert min(alone_floor(list(order), units, ctx(4), pp)
+                   for order in itertools.permutations(placements)) >= bound * (1 - 1e-12)
 
 
 def test_a_ring_moves_onto_one_node_inside_its_count_group():

@@ -130,7 +130,7 @@ def test_the_layer_cap_walks_towards_the_slower_side():
         out[4:] = 10.0 + layer
         return out
 
-    placements = isolated_runs(sorted(UNITS, key=lambda u: -u.time), ctx(8), 8, [UNITS[0]], finish_times,
+    placements, _ = isolated_runs(sorted(UNITS, key=lambda u: -u.time), ctx(8), 8, [UNITS[0]], finish_times,
                                delta=0.0, num_buckets=1)
     # the first timed to the end (its slower side sets the direction), the others against the best
     assert [(w, s if s is None else round(s, 6)) for w, s in calls] == [(1.2, None), (0.65, 11.2), (0.0, 10.7)]
@@ -152,7 +152,7 @@ def test_the_walk_goes_up_when_the_other_pipelines_finish_last():
         out[4:] = 10.0 + layer / 4
         return out
 
-    placements = isolated_runs(sorted(UNITS, key=lambda u: -u.time), ctx(8), 8, [UNITS[0]], finish_times,
+    placements, _ = isolated_runs(sorted(UNITS, key=lambda u: -u.time), ctx(8), 8, [UNITS[0]], finish_times,
                                delta=0.0, num_buckets=1)
     assert calls == [1.2, 1.6, 1.6]
     assert lists_by_rank(placements)[4] == [1, 0] and lists_by_rank(placements)[6] == [2, 0]
@@ -172,7 +172,7 @@ def test_the_walk_goes_down_on_a_tie_and_stops_at_either_end_of_the_caps():
         return np.full(8, 10.0 + layer)
 
     units = sorted(UNITS, key=lambda u: -u.time)
-    placements = isolated_runs(units, ctx(8), 8, [UNITS[0]], tie, delta=0.0, num_buckets=1)
+    placements, _ = isolated_runs(units, ctx(8), 8, [UNITS[0]], tie, delta=0.0, num_buckets=1)
     assert layers == [1.2, 0.65, 0.0] and lists_by_rank(placements)[4] == [0]
     calls = []
 
@@ -198,9 +198,13 @@ def test_a_node_map_is_cut_to_the_ranks_below_the_isolated_rings():
 IRREGULAR = Topology.from_node_map([r // 4 if r % 8 < 3 else r // 4 + 100 for r in range(16)])
 
 
-@pytest.mark.parametrize("dataset, seed, hdp, pp, tokens, topology", [
-    ("github", 5, 12, 2, 60_000, None), ("github", 7, 16, 4, 120_000, None), ("byted", 6, 12, 2, 60_000, None),
-    ("byted", 4, 16, 2, 120_000, None), ("byted", 4, 16, 2, 120_000, IRREGULAR)])
+WINS = [("github", 5, 12, 2, 60_000, None), ("github", 7, 16, 4, 120_000, None), ("byted", 6, 12, 2, 60_000, None),
+        ("byted", 4, 16, 2, 120_000, None), ("byted", 4, 16, 2, 120_000, IRREGULAR)]
+"""Seeded batches on which rings of their own win (found by a search; the node-map case is
+planned whichever wins)."""
+
+
+@pytest.mark.parametrize("dataset, seed, hdp, pp, tokens, topology", WINS)
 def test_where_rings_of_their_own_win_the_plan_is_valid_and_trains_every_sequence_once(
         dataset, seed, hdp, pp, tokens, topology):
     """Seeded batches on which the candidate wins (found by a search; the node-map case is
@@ -222,3 +226,48 @@ def test_where_rings_of_their_own_win_the_plan_is_valid_and_trains_every_sequenc
     for r in widest:
         rings = [mb.ring for mb in plan.ranks[r].micro_batches]
         assert rings[-1] == widest and len(rings) <= 2, rings
+
+
+def test_the_walk_hands_back_its_plans_full_timing(monkeypatch):
+    """Rings of their own come with the step their layer-cap walk timed, which ``balance`` takes
+    as that candidate's timing (and the best to beat) instead of timing it again: it must be the
+    very value a full timing of those placements gives, and the plan's estimate where it wins."""
+    import megatron_bytescale.planner.schedulers.balance as balance_mod
+
+    real = balance_mod.isolated_runs
+    seen = []
+
+    def capture(units, ctx, n, isolated, finish_times, **kwargs):
+        placements, step = real(units, ctx, n, isolated, finish_times, **kwargs)
+        seen.append((step, float(np.max(finish_times(placements)))))
+        return placements, step
+
+    monkeypatch.setattr(balance_mod, "isolated_runs", capture)
+    for dataset, seed, hdp, pp, tokens, topology in WINS[:4]:
+        seen.clear()
+        lengths = synthetic_lengths(dataset, tokens, seed=seed, max_length=16_384)
+        plan = make_plan(lengths, scheduler="balance", offload=False, hdp_size=hdp, capacity=2048,
+                         cost_model=small_cost_model(), pp_size=pp, context_length=16_384)
+        assert len(seen) == 1 and seen[0][0] == seen[0][1], seen
+        assert plan.estimate.step_time_s == seen[0][0]  # it wins on these
+
+
+@pytest.mark.parametrize("dataset, seed, hdp, pp, tokens, topology", WINS)
+def test_skipping_by_the_floors_never_changes_the_plan_where_rings_of_their_own_win(
+        dataset, seed, hdp, pp, tokens, topology, monkeypatch):
+    """The walk's timing sets the best to beat before the other candidates are ranked (and drops
+    the assignments whose order-free floor is already slower): the plan is the one made with
+    nothing skipped."""
+    from planner_cases import nothing_skipped
+
+    lengths = synthetic_lengths(dataset, tokens, seed=seed, max_length=16_384)
+    kw = dict(hdp_size=hdp, capacity=2048, cost_model=small_cost_model(), pp_size=pp, context_length=16_384,
+              topology=topology)
+
+    def key():
+        plan = make_plan(lengths, scheduler="balance", offload=False, **kw)
+        return plan.content_hash(), plan.meta["assignment"], plan.estimate.step_time_s
+
+    planned = key()
+    nothing_skipped(monkeypatch)
+    assert planned == key()

@@ -92,7 +92,7 @@ def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estim
     from megatron_bytescale.planner.estimate import estimate_plan
     from megatron_bytescale.planner.schedulers import make_plan
     from megatron_bytescale.planner.schedulers._common import emit_plan
-    from megatron_bytescale.planner.schedulers.pp_balance import alone_floor, alone_floors, pipeline_floor
+    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, alone_floors, order_free_floor, pipeline_floor
     from planner_cases import small_cost_model
 
     seen = []
@@ -105,6 +105,7 @@ def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estim
             plan = emit_plan(request, placements, scheduler="balance")
             step = estimate_plan(plan, ctx.cost_model).step_time_s
             assert pipeline_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
+            assert order_free_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
             assert floor <= step * (1 + 1e-12)
             seen.append(floor < step)
         return floors

@@ -106,9 +106,8 @@ from .candidate_time import finish_times as candidate_finish_times, times_withou
 from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
-from .pp_balance import (alone_floors, busiest_pipeline, next_levels_first, pipeline_floor, pp_balance, short_first,
-                         singles_first,
-                         unit_times)
+from .pp_balance import next_levels_first, pp_balance, short_first, singles_first, unit_times
+from .pp_floors import alone_floors, order_free_floor, pipeline_floor
 from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
 from .selective import unit_options
@@ -237,17 +236,20 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     first and with singles first.
 
     Unit sets go in the order of :func:`_plan_balance`, a set's candidates in the order of their
-    1F1B floor (:func:`.pp_balance.alone_floors`); a set or a candidate whose floor is
-    already slower than the best step is skipped. Ties go to the earlier candidate (the earlier
-    set of :func:`.selective.unit_options`, then the list order), so skipping never changes
-    the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
+    1F1B floor (:func:`.pp_floors.alone_floors`); whatever is already slower than the best step
+    by a floor is skipped: a set (:func:`_units_floor`), the assignments of one of its two lists
+    (the same floor of that list alone; they are then not built), an assignment with all its
+    reorderings (:func:`.pp_floors.order_free_floor`), a candidate. The rings of their own come
+    timed from their layer-cap walk, and that step is the first best to beat. Ties go to the
+    earlier candidate (the earlier set of :func:`.selective.unit_options`, then the list order),
+    so skipping never changes the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
     floor no longer bounds the evened plan and the skip is a heuristic). Returns the plan and
     the cost model it was timed with; a winner timed without its plan comes back without an
     estimate, which :func:`..make_plan` attaches (the same floats) when the caller keeps one."""
     n = request.hdp_size
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
-    best: tuple[float, tuple[int, int], StepPlan | None, tuple] | None = None
-    count = 0
+    # (step, (unit set, (assignment, variant)), the plan if built, what builds it)
+    best: tuple[float, tuple[int, tuple[int, int]], StepPlan | None, tuple] | None = None
     quick = times_without_plan(request)
     for units_floor, set_index, choice, ctx, base, units, widened in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
@@ -262,65 +264,94 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             plan = emit_plan(replace(request, pieces=False), placements, scheduler=NAME)
             return np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
 
-        pool = [("pp-steps", level_steps(units, ctx, n, finish_times), widened, units)]
-        if widened:
+        def build(name: str, placements: list, grown: int, ctx: ShardingContext = ctx, choice: str = choice) -> tuple:
+            return (placements, {**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
+                                 "offload_choice": choice}, ctx.cost_model)
+
+        # the set's floor is the smaller of its two lists' (widened, unwidened): the candidates of
+        # the other list are not even built when its own floor is already slower than the best
+        use_units = use_base = True
+        if best is not None and widened:
+            limit = best[0] * (1 + 1e-9)
+            use_base = _units_floor(base, base, request) <= limit
+            use_units = not use_base or _units_floor(units, units, request) <= limit
+        pool = []
+        if use_units:
+            pool.append(("pp-steps", level_steps(units, ctx, n, finish_times), widened, units))
+        if widened and use_base:
             pool.append(("pp-steps-eq3", level_steps(base, ctx, n, finish_times), 0, base))
-        pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
-                 ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
-        if request.pp_size > 1:
-            pool.append(("pp-runs-floor", pp_balance(units, ctx, n, window=request.pp_size - 1, **kw), widened, units))
-        isolated = dominant_rings(units, n, request.pp_size)
-        if isolated:
-            pool.append(("pp-runs-isolated", isolated_runs(units, ctx, n, isolated, finish_times, **kw), widened, units))
-        fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
-                                  deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
-        pool.append(("fill", fill, 0, base))
-        if best is not None:  # no reordering of an assignment beats its busiest pipeline's work
-            pool = [c for c in pool if busiest_pipeline(c[1], c[3], ctx) <= best[0] * (1 + 1e-9)]
-        # each as built and reordered to fill the longest ring's 1F1B window
-        candidates = []
+        timed: dict[int, float] = {}  # a candidate's step known from its construction, by id
+        if use_units:
+            pool += [("pp-runs", pp_balance(units, ctx, n, **kw), widened, units),
+                     ("pp-runs-1f1b", pp_balance(units, ctx, n, fill_drain=request.pp_size - 1, **kw), widened, units)]
+            if request.pp_size > 1:
+                pool.append(("pp-runs-floor", pp_balance(units, ctx, n, window=request.pp_size - 1, **kw), widened,
+                             units))
+            isolated = dominant_rings(units, n, request.pp_size)
+            if isolated:
+                placements, step = isolated_runs(units, ctx, n, isolated, finish_times, **kw)
+                pool.append(("pp-runs-isolated", placements, widened, units))
+                if quick:  # the same timing the loop below would make
+                    timed[id(placements)] = step
+        if use_base:
+            fill = fill_steps_aligned(n, [u for u in base if u.ring_size > 1],
+                                      deque(u for u in base if u.ring_size == 1), ctx.nodes)[0]
+            pool.append(("fill", fill, 0, base))
+        # the assignment timed above sets the best to beat (ties go to the earlier candidate, and
+        # its variants come after it)
+        for position, (name, placements, grown, _) in enumerate(pool):
+            if id(placements) in timed:
+                key = (timed[id(placements)], (set_index, (position, 1)))
+                if best is None or key < best[:2]:
+                    best = (*key, None, build(name, placements, grown))
+        # no reordering of an assignment beats its order-free floor: drop those already slower
+        # than the best (strictly slower, so ties cannot move) before their reorderings are made
+        if best is not None:
+            pool = [(k, c) for k, c in enumerate(pool)
+                    if order_free_floor(c[1], c[3], ctx, request.pp_size) <= best[0] * (1 + 1e-9)]
+        else:
+            pool = list(enumerate(pool))
+        # each as built and reordered to fill the longest ring's 1F1B window; (assignment, slot)
+        # orders ties as the list does
         times = {id(units): unit_times(units), id(base): unit_times(base)}  # built once per set
-        for name, placements, grown, units_of in pool:
+        candidates = []
+        for position, (name, placements, grown, units_of) in pool:
             time_of = times[id(units_of)]
             if request.pp_size == 1:  # expert groups: the one reordering there is
                 moved = short_first(placements, time_of)
                 if moved is not None:
-                    candidates.append((name + "+short-first", moved, grown, units_of))
-            candidates.append((name, placements, grown, units_of))
+                    candidates.append(((position, 0), name + "+short-first", moved, grown, units_of))
+            if id(placements) not in timed:
+                candidates.append(((position, 1), name, placements, grown, units_of))
             lifted = next_levels_first(placements, request.pp_size - 1)
             if lifted is not None:
-                candidates.append((name + "+next-levels-first", lifted, grown, units_of))
+                candidates.append(((position, 2), name + "+next-levels-first", lifted, grown, units_of))
             lifted = singles_first(placements, time_of, request.pp_size - 1)
             if lifted is not None:
-                candidates.append((name + "+singles-first", lifted, grown, units_of))
-        floors = alone_floors([(c[1], c[3]) for c in candidates], ctx, request.pp_size)
-        ranked = []
-        for floor, (name, placements, grown, units_of) in zip(floors, candidates):
-            ranked.append((floor, count, name, placements, grown))
-            count += 1
-        for floor, index, name, placements, grown in sorted(ranked, key=lambda c: (c[0], c[1])):
+                candidates.append(((position, 3), name + "+singles-first", lifted, grown, units_of))
+        floors = alone_floors([(c[2], c[4]) for c in candidates], ctx, request.pp_size)
+        for floor, (slot, name, placements, grown, _) in sorted(zip(floors, candidates), key=lambda c: (c[0], c[1][0])):
             # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
             # plan and full estimate (the margin covers rounding between the two time sums)
             if best is not None and floor > best[0] * (1 + 1e-9):
                 continue
-            build = (placements, {**meta, "mode": "PP-Balance", "widened_units": grown, "assignment": name,
-                                  "offload_choice": choice}, ctx.cost_model)
+            index = (set_index, slot)
             # timed as its plan would be (only the winner is built), given up once it is slower
             # than the best: it then cannot win (ties go to the earlier candidate)
             finish = candidate_finish_times(request, placements, ctx.cost_model, seconds,
                                             None if best is None else best[0]) if quick else None
             if finish is not None:
-                key = (float(finish.max()), (set_index, index))
+                key = (float(finish.max()), index)
                 if best is None or key < best[:2]:
-                    best = (*key, None, build)
+                    best = (*key, None, build(name, placements, grown))
                 continue
-            plan = _estimated(request, *build)
+            plan = _estimated(request, *build(name, placements, grown))
             if request.ep_size > 1 and request.even_expert_slots and request.pp_size == 1:
                 # cheap at PP 1, and a candidate whose groups wait may win once evened
                 plan = even_expert_slots(plan, request, ctx.cost_model, NAME)
-            key = (plan.estimate.step_time_s, (set_index, index))
+            key = (plan.estimate.step_time_s, index)
             if best is None or key < best[:2]:
-                best = (*key, plan, build)
+                best = (*key, plan, build(name, placements, grown))
     plan, (placements, meta, cost_model) = best[2], best[3]
     if plan is None:  # timed without a plan: build the winner; make_plan (or the two-level wrapper)
         plan = emit_plan(request, placements, scheduler=NAME, meta=meta)  # estimates it if kept

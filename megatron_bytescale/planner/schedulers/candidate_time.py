@@ -33,18 +33,26 @@ def times_without_plan(request: PlanRequest) -> bool:
     return request.pp_size > 1 and request.ep_size == 1 and not request.meta.get("barrier_after_orders")
 
 
+def time_key(p: Placement) -> tuple:
+    """What sets a micro-batch's stage time in :func:`finish_times`' cache: its sequences, its
+    offload ratio and, for a ring, its members (they decide the links it crosses)."""
+    return p.seqs, p.offload_ratio, p.ring if len(p.ring) > 1 else None
+
+
 def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel,
-                 seconds: dict[int, tuple[Placement, float]] | None = None,
+                 seconds: dict[tuple, float] | None = None,
                  stop_above: float | None = None) -> np.ndarray | None:
     """Per HDP rank, when its pipeline finishes under the estimate, for a request where
     :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
     on all its members (build the plan and estimate it instead).
 
-    ``seconds`` (optional, filled in) holds each placement's stage time by ``id``, with the
-    placement itself so the id cannot be reused: candidates share placements (each is also
-    tried with a short micro-batch moved first), and a micro-batch's time does not depend on
-    the others costed with it (the cost model's array arithmetic is elementwise). Use one per
-    cost model.
+    ``seconds`` (optional, filled in) holds each micro-batch's stage time by what sets it: its
+    sequences, offload ratio and, for a ring, its members (a single rank has no links, so a unit
+    alone costs the same on every rank). Candidates share most of them: reorderings move the
+    same placements, and the assignments of one unit set put the same single-rank units on
+    other ranks. A micro-batch's time does not depend on the others costed with it (the cost
+    model's array arithmetic is elementwise), so a cached time is the float a fresh costing
+    gives. Use one per cost model and request.
 
     ``stop_above``: ``inf`` for every rank as soon as the step is known to exceed it (a
     candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`)."""
@@ -52,8 +60,8 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
     cache = {} if seconds is None else seconds
-    known = [cache.get(id(p)) for p in placements]
-    times = [k[1] if k is not None and k[0] is p else None for k, p in zip(known, placements)]
+    keys = [time_key(p) for p in placements]
+    times = [cache.get(k) for k in keys]
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     for order, t in enumerate(times):
         if t is None:
@@ -64,7 +72,7 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
                          align=request.align, layers_per_stage=request.layers, pp_size=request.pp_size)
         for order, t in zip(costs.orders.tolist(), costs.seconds.tolist()):
             times[order] = t
-            cache[id(placements[order])] = (placements[order], t)
+            cache[keys[order]] = t
     # orders number the placements (as emit_plan numbers them); each member's list in placement order
     rings = [p.ring for p in placements]
     pipeline = np.fromiter(chain.from_iterable(rings), dtype=np.int64)

@@ -54,11 +54,13 @@ stage time."""
 
 
 def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated: Sequence[Unit],
-                  finish_times: Callable[..., np.ndarray], *, delta: float, num_buckets: int) -> list[Placement]:
+                  finish_times: Callable[..., np.ndarray], *, delta: float,
+                  num_buckets: int) -> tuple[list[Placement], float]:
     """PP-Balance's runs with ``isolated`` on pipelines of their own
-    (:func:`.pp_balance.pp_balance`), with the layer cap the 1F1B estimate prefers:
-    ``finish_times(placements, stop_above)`` gives every pipeline's finish, or ``inf`` once the
-    step exceeds ``stop_above`` (None: time it to the end).
+    (:func:`.pp_balance.pp_balance`), with the layer cap the 1F1B estimate prefers, and that
+    plan's step: ``finish_times(placements, stop_above)`` gives every pipeline's finish, or
+    ``inf`` once the step exceeds ``stop_above`` (None: time it to the end). The step comes
+    back so that the caller need not time the same plan again.
 
     A longer layer before the isolated rings takes more work off the other pipelines and makes
     the rings' members later (a third of its time at PP 2, and a ring waits for its slowest
@@ -86,4 +88,4 @@ def isolated_runs(units: Sequence[Unit], ctx: ShardingContext, n: int, isolated:
         if not other[0] < best[0]:
             break
         best = other
-    return best[2]
+    return best[2], best[0]
