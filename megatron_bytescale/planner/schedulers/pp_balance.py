@@ -175,7 +175,8 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
         d = u.ring_size
         best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
         # (d-th smallest load, count) of every group that holds d
-        bounds = sorted((ranked[d - 1][0], c) for c, ranked in groups.items() if len(ranked) >= d)
+        bounds = [(ranked[d - 1][0], c) for c, ranked in groups.items() if len(ranked) >= d]
+        bounds.sort()
         for start, c in bounds:
             if best is not None and (0, start, c) >= best[0]:
                 break  # neither this group nor a later one can win: see the docstring
