@@ -117,7 +117,13 @@ def place_ring_step(rings: list[Unit], counts: list[int], topology: Topology,
     free = [FreeRanks(ranks, topology) for _, ranks in sorted(by_count.items())]
     waiting: list[Unit] = []
     first = True
+    # most rings of a step find no group with that many free ranks (the steps run widest first):
+    # they wait without a look at the groups
+    most_free = max((g.count for g in free), default=0)
     for u in rings:
+        if u.ring_size > most_free:
+            waiting.append(u)
+            continue
         groups = [g for g in free if g.count >= u.ring_size]
         members = next((m for g in groups if (m := g.take(u.ring_size, fallback=False)) is not None), None)
         if members is None and groups and first:
@@ -129,4 +135,5 @@ def place_ring_step(rings: list[Unit], counts: list[int], topology: Topology,
         placements.append(placement(tuple(members), u.seqs, u.offload_ratio))
         for r in members:
             counts[r] += 1
+        most_free = max(g.count for g in free)
     return waiting, free
