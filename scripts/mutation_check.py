@@ -931,6 +931,27 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "without isolated rings top is n, and runs over the first n pipelines are runs over all"),
     ("*pp_balance.x_pp_balance__*", r"layer_cap: float = 0\.0\) -> list\[Placement\]:  ->  .*layer_cap: float = 1\.0\)",
      "the default is read only with isolated rings, and every caller that gives them gives a cap"),
+    # planner/schedulers/pp_floors.py and local_indices: numpy spelled another way
+    ("*pp_floors.x_*", r"np\.(fromiter|repeat|asarray|array|arange)\(.*(dtype=|count=).*  ->  .*(dtype=None|, \)|, \)\[| \* n)",
+     "count only sizes fromiter's buffer; ranks, sizes and rows read without a dtype are int64, "
+     "and times float64, anyway"),
+    ("*pp_balance.x_local_indices__*", r"(np\.fromiter|np\.empty)\(.*(dtype=|count=).*  ->  .*(dtype=None|, \))",
+     "count only sizes fromiter's buffer; without a dtype the ranks read int64, and the local "
+     "indices, float64 in an empty array, are small integers held exactly (equal as list items)"),
+    ("*pp_balance.x_local_indices__*", r'kind="stable"\).*  ->  .*kind="STABLE"\)',
+     "numpy reads the sort kind case-insensitively"),
+    ("*pp_floors.x_alone_floors__*", r"\.max\(axis=1, initial=0\.0\)\]  ->  .*\.max\(axis=1, (initial=None)?\)\]",
+     "every candidate has hdp_size >= 1 pipelines, so the maximum never meets an empty row"),
+    ("*pp_floors.x_alone_floors__*", r"(row = tables\.setdefault\(id\(units\), \{\}\)|rows\.append\(\[row\[id\(p\)\]|if id\(p\) not in row:).*  ->  .*(id\(None\)|setdefault\(None,)",
+     "speed only: the table of placements seen is a cache (one per units list, by placement id); "
+     "with its key lost every placement is costed again to the same float, and balance passes each "
+     "placement object with one units list only"),
+    ("*pp_floors.x_*", r"(times|seconds)\.append\(u\.time if len\(p\.ring\) == 1 == u\.ring_size else.*  ->  .*(\) and False else|len\(p\.ring\) != 1 == u\.ring_size|len\(p\.ring\) == 1 != u\.ring_size)",
+     "these take placed_time where the shortcut took u.time, and placed_time returns u.time itself "
+     "for a single-rank unit on one rank (the same float)"),
+    ("*pp_floors.x_order_free_floor__*", r"top = np\.zeros\(\(n, 2 \* w \+ 1\)\)  ->  top = np\.zeros\(\(n, (3 \* w \+ 1|2 \* w \+ 2)\)\)",
+     "extra columns stay zero (only 2 w + 1 times per pipeline are written) and add nothing to "
+     "the smaller share's sum"),
     # planner/schedulers/pp_isolate.py: rings of their own
     ("*pp_isolate.x_isolated_runs__*", r"finish_times\(placements, stop_above\), dtype=float\)  ->  .*(dtype=None\)|stop_above\), \))",
      "finish_times returns float64 arrays: asarray keeps them either way"),

@@ -21,7 +21,7 @@ from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.planner.schedulers.placement import FreeRanks
 from megatron_bytescale.planner.sharding import ShardingContext, best_fit_decreasing, pack_times
 from megatron_bytescale.planner.topology import Topology
-from planner_cases import small_cost_model
+from planner_cases import nothing_skipped, small_cost_model
 
 
 def _slow_placed_time(self, unit, ring):
@@ -46,7 +46,7 @@ def _plans(monkeypatch, slow: bool, *, two_level: bool = False):
         if slow:
             m.setattr(ShardingContext, "placed_time", _slow_placed_time)
             m.setattr(order_mod, "_simulate_pipelines", lambda *a, **k: None)
-            m.setattr(balance_mod, "pipeline_floor", lambda *a, **k: 0.0)
+            nothing_skipped(m)  # no candidate skipped by a floor, every one timed to its end
         hashes = []
         for lengths, hdp, cap, g, pp in _batches(10, seed=7):
             cm = small_cost_model(ranks_per_node=g, two_level_ring=two_level)
@@ -118,13 +118,14 @@ def test_pipeline_simulation_matches_the_general_graph(monkeypatch):
     assert checked >= 8
 
 
-def test_pipeline_floor_is_below_every_candidate_step():
+def test_the_floors_are_below_every_candidate_step():
     """PP-Balance skips a candidate whose floor exceeds the best step: the floor must never
     exceed the candidate's own 1F1B step."""
     from dataclasses import replace
 
     from megatron_bytescale.planner.estimate import estimate_plan
     from megatron_bytescale.planner.schedulers._common import build_request, emit_plan
+    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, order_free_floor
     from megatron_bytescale.planner.sharding import shard_batch
 
     cm = small_cost_model()
@@ -142,8 +143,8 @@ def test_pipeline_floor_is_below_every_candidate_step():
                                                 delta=0.05, num_buckets=4, fill_drain=fd)
             plan = emit_plan(req, placements, scheduler="balance")
             step = estimate_plan(plan, cm).step_time_s
-            floor = balance_mod.pipeline_floor(placements, units, ctx, pp)
-            assert 0 < floor <= step * (1 + 1e-12), (floor, step)
+            floor = alone_floor(placements, units, ctx, pp)
+            assert 0 < order_free_floor(placements, units, ctx, pp) <= floor <= step * (1 + 1e-12), (floor, step)
             seen += 1
     assert seen >= 10
 

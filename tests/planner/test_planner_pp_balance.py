@@ -258,32 +258,55 @@ class PipelineLoadProbe:
         return self.load.loads[0]
 
 
-def test_the_order_free_floor_is_the_stage_work_plus_the_longest_micro_batch_idle():
+@pytest.mark.parametrize("forward_fraction", [1 / 3, 0.6])
+def test_the_order_free_floor_is_the_stage_work_plus_the_longest_micro_batch_idle(forward_fraction):
     """Pipelines 0-3 on one node: a ring of 2 (2,000 tokens: 1.0 s on each member), singles of
-    0.5, 0.3 and 0.2 s on pipeline 1 and 0.1 s on pipeline 3. One stage: the busiest pipeline's
-    work, 2.0 s. PP 2 (w = 1): pipeline 1 adds w x 1.0 less the larger share of 0.5 and the
-    smaller of 0.3. PP 3 (w = 2): 2 x 1.0 less the larger share of 0.5 + 0.3 and the smaller of
-    0.2; pipeline 0 holds the ring alone, 1.0 + 2 x 1.0. And no order of the micro-batches runs
-    faster alone than the bound."""
+    0.5, 0.3 and 0.2 s on pipeline 1, of 0.6, 0.4 and 0.25 s on pipeline 2 and 0.1 s on
+    pipeline 3. One stage: the busiest pipeline's work, 2.0 s. PP 2 (w = 1): pipeline 1 adds
+    w x 1.0 less the larger share (``max(f, 1 - f)``, forward or backward) of 0.5 and the
+    smaller of 0.3; pipeline 2's own shares are its own (0.4 and 0.25). PP 3 (w = 2): 2 x 1.0
+    less the larger share of 0.5 + 0.3 and the smaller of 0.2; pipeline 0 holds the ring
+    alone, 1.0 + 2 x 1.0. No order of pipeline 1's micro-batches runs faster alone than the
+    bound."""
     import itertools
 
     from megatron_bytescale.planner.schedulers._common import Placement
     from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, order_free_floor
 
-    units = [unit(0, 2000, ring=2), unit(1, 500), unit(2, 300), unit(3, 200), unit(4, 100)]
-    placements = [Placement(ring=(0, 1), seqs=(0,)), Placement(ring=(1,), seqs=(1,)),
-                  Placement(ring=(1,), seqs=(2,)), Placement(ring=(1,), seqs=(3,)), Placement(ring=(3,), seqs=(4,))]
-    big, small = max(CM.forward_fraction, 1 - CM.forward_fraction), min(CM.forward_fraction, 1 - CM.forward_fraction)
-    assert big > small  # the two shares differ, so a swap of them is seen
-    assert order_free_floor(placements, units, ctx(4), 1) == pytest.approx(2.0)
-    assert order_free_floor(placements, units, ctx(4), 2) == pytest.approx(3.0 - 0.5 * big - 0.3 * small)
-    assert order_free_floor(placements, units, ctx(4), 3) == pytest.approx(max(4.0 - 0.8 * big - 0.2 * small, 3.0))
-    assert order_free_floor(placements[4:], units, ctx(4), 2) == pytest.approx(0.2)
-    assert order_free_floor([], units, ctx(4), 2) == 0.0
+    c4 = ShardingContext(capacity=1000, layers=1, cost_model=CM.with_(forward_fraction=forward_fraction),
+                         hdp_size=4, offload=False)
+    units = [unit(0, 2000, ring=2), unit(1, 500), unit(2, 300), unit(3, 200), unit(4, 100),
+             unit(5, 600), unit(6, 400), unit(7, 250)]
+    placements = [Placement(ring=(0, 1), seqs=(0,))] + [
+        Placement(ring=(r,), seqs=(s,)) for r, s in ((1, 1), (1, 2), (1, 3), (3, 4), (2, 5), (2, 6), (2, 7))]
+    big, small = max(forward_fraction, 1 - forward_fraction), min(forward_fraction, 1 - forward_fraction)
+    assert order_free_floor(placements, units, c4, 1) == pytest.approx(2.0)
+    assert order_free_floor(placements, units, c4, 2) == pytest.approx(3.0 - 0.5 * big - 0.3 * small)
+    assert order_free_floor(placements, units, c4, 3) == pytest.approx(max(4.0 - 0.8 * big - 0.2 * small, 3.0))
+    assert order_free_floor(placements[4:5], units, c4, 2) == pytest.approx(0.2)
+    assert order_free_floor([], units, c4, 2) == 0.0
     for pp in (2, 3):
-        bound = order_free_floor(placements, units, ctx(4), pp)
-        assert min(alone_floor(list(order), units, ctx(4), pp)
-                   for order in itertools.permutations(placements)) >= bound * (1 - 1e-12)
+        bound = order_free_floor(placements, units, c4, pp)
+        assert min(alone_floor(list(order) + placements[4:], units, c4, pp)
+                   for order in itertools.permutations(placements[:4])) >= bound * (1 - 1e-12)
+
+
+def test_the_floors_time_a_ring_where_it_sits():
+    """A ring of 2 costed inside a node (0.5 s a member) but placed on ranks 3 and 4, across
+    the boundary of two 4-rank nodes over a slow network, runs at its placed time there; both
+    floors charge that time, not the unit's own."""
+    from megatron_bytescale.planner.schedulers._common import Placement
+    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, order_free_floor
+
+    slow = ShardingContext(capacity=1000, layers=1, cost_model=CM.with_(p2p_bandwidth_inter=1e6),
+                           hdp_size=8, offload=False)
+    ring = unit(0, 1000, ring=2)
+    placements = [Placement(ring=(3, 4), seqs=(0,))]
+    placed = slow.placed_time(ring, (3, 4))
+    assert placed > ring.time * 1.2  # the crossing shows
+    assert order_free_floor(placements, [ring], slow, 1) == pytest.approx(placed)
+    assert alone_floor(placements, [ring], slow, 2) == pytest.approx(2 * placed)  # crosses 2 stages
+    assert order_free_floor(placements, [ring], slow, 2) == pytest.approx(2 * placed)
 
 
 def test_a_ring_moves_onto_one_node_inside_its_count_group():

@@ -85,14 +85,14 @@ def test_a_pipeline_alone_finishes_no_later_and_without_rings_the_same(seed):
 
 
 def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estimate(monkeypatch):
-    """Every PP candidate balance ranks: pipeline_floor <= alone_floor <= the full estimate, and the
+    """Every PP candidate balance ranks: order_free_floor <= alone_floor <= the full estimate, and the
     floors balance computes together equal each computed alone."""
     import megatron_bytescale.planner.schedulers.balance as balance_mod
     from megatron_bytescale.data.synthetic import synthetic_lengths
     from megatron_bytescale.planner.estimate import estimate_plan
     from megatron_bytescale.planner.schedulers import make_plan
     from megatron_bytescale.planner.schedulers._common import emit_plan
-    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, alone_floors, order_free_floor, pipeline_floor
+    from megatron_bytescale.planner.schedulers.pp_floors import alone_floor, alone_floors, order_free_floor
     from planner_cases import small_cost_model
 
     seen = []
@@ -104,7 +104,6 @@ def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estim
             assert floor == alone_floor(placements, units, ctx, pp_size)  # batched as alone
             plan = emit_plan(request, placements, scheduler="balance")
             step = estimate_plan(plan, ctx.cost_model).step_time_s
-            assert pipeline_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
             assert order_free_floor(placements, units, ctx, pp_size) <= floor * (1 + 1e-12)
             assert floor <= step * (1 + 1e-12)
             seen.append(floor < step)

@@ -107,13 +107,13 @@ from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
 from .pp_balance import next_levels_first, pp_balance, short_first, singles_first, unit_times
-from .pp_floors import alone_floors, order_free_floor, pipeline_floor
+from .pp_floors import alone_floors, order_free_floor
 from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
 from .selective import unit_options
 from .widen import widen_for_balance
 
-__all__ = ["plan_balance", "dp_balance", "pp_balance", "pipeline_floor", "widen_for_balance"]
+__all__ = ["plan_balance", "dp_balance", "pp_balance", "widen_for_balance"]
 
 NAME = "balance"
 

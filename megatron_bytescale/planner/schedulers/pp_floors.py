@@ -21,29 +21,6 @@ from ..wavefront import pipelines_alone_flat
 from ._common import Placement
 
 
-def pipeline_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
-                   pp_size: int) -> float:
-    """A lower bound on the 1F1B step of ``placements`` (each rank a pipeline running its
-    micro-batches in list order): the slowest pipeline's stage work plus the first micro-batch's
-    forward down the other ``pp_size - 1`` stages before the last stage can start, and the last
-    one's backward back up them after it ends. Rings only add waiting to that."""
-    by_seqs = {u.seqs: u for u in units}
-    ff = ctx.cost_model.forward_fraction
-    work = [0.0] * ctx.hdp_size
-    first: list[float | None] = [None] * ctx.hdp_size
-    last = [0.0] * ctx.hdp_size
-    for p in placements:
-        t = ctx.placed_time(by_seqs[p.seqs], p.ring)
-        for r in p.ring:
-            work[r] += t
-            if first[r] is None:
-                first[r] = t
-            last[r] = t
-    hops = pp_size - 1
-    return max((w + hops * (ff * f + (1.0 - ff) * b) for w, f, b in zip(work, first, last) if f is not None),
-               default=0.0)
-
-
 def order_free_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
                      pp_size: int) -> float:
     """A lower bound on the 1F1B step of every order of ``placements``: the slowest pipeline's
@@ -89,7 +66,7 @@ def order_free_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx
 
 def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
                 pp_size: int) -> float:
-    """A lower bound on the 1F1B step of ``placements``, at least :func:`pipeline_floor`: the
+    """A lower bound on the 1F1B step of ``placements``, at least :func:`order_free_floor`: the
     slowest pipeline's 1F1B run alone (:func:`..wavefront.pipelines_alone`), its rings waiting
     for no other member. The estimate runs the same ops with the rendezvous added, and each
     op's start is a maximum over its predecessors, so adding predecessors never starts an op
