@@ -931,6 +931,37 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "without isolated rings top is n, and runs over the first n pipelines are runs over all"),
     ("*pp_balance.x_pp_balance__*", r"layer_cap: float = 0\.0\) -> list\[Placement\]:  ->  .*layer_cap: float = 1\.0\)",
      "the default is read only with isolated rings, and every caller that gives them gives a cap"),
+    # planner/schedulers/balance.py: this round's skips (speed only, or the order of ties)
+    ("*.balance.x__best_pp_plan__*", r"if widened and use_base:  ->  if widened or use_base:",
+     "with nothing widened the unwidened list is the widened one: its level steps are a copy of "
+     "an earlier candidate that can only tie and loses the tie; otherwise a hopeless list is built "
+     "anyway (speed only)"),
+    ("*.balance.x__best_pp_plan__*", r"(timed\[id\(placements\)\] = step|if id\(placements\) not in timed:|order_free_floor\(c\[1\], c\[3\]).*  ->  .*(id\(None\)|order_free_floor\(None,)",
+     _SPEED),
+    ("*.balance.x__best_pp_plan__*", r"limit = best\[0\] \* \(1 \+ 1e-9\)  ->  limit = best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)",
+     _SPEED),
+    ("*.balance.x__best_pp_plan__*", r"limit = best\[0\] \* \(1 \+ 1e-9\)  ->  limit = best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))",
+     TOLERANCE),
+    ("*.balance.x__best_pp_plan__*", r"_units_floor\((base, base|units, units), request\) <= limit  ->  .*\) < limit",
+     "a list whose floor equals the best can at most tie it, and that best comes from an earlier "
+     "unit set (the lists are judged before this set's first candidate), which wins the tie"),
+    ("*.balance.x__best_pp_plan__*", r"use_units = not use_base or .*  ->  use_units = use_base or",
+     "the set passed its floor, the smaller of its lists': with the unwidened list over the limit "
+     "the widened one is under it, so both forms are true wherever the first differs"),
+    ("*.balance.x__best_pp_plan__*", r"best = \(\*key, plan, build\(name, placements, grown\)\)  ->  .*build\((None, placements, grown|name, None, grown|name, placements, None)\)",
+     "what builds a candidate is read only for a winner timed without its plan; here the plan is "
+     "built already and returned as it is"),
+    ("*.balance.x__best_pp_plan__*", r"sorted\(zip\(floors, candidates\), key=lambda c: \(c\[0\], c\[1\]\[0\]\)\):  ->  .*(key=None\)|candidates\), \)|key=lambda c: \(c\[1\], c\[1\]\[0\]\)|key=lambda c: \(c\[0\], c\[1\]\[1\]\))",
+     "the order candidates are timed in: every candidate is still skipped only where its floor is "
+     "slower than the best so far and kept by (step, its place in the list), so the winner is the "
+     "same; only planning time changes"),
+    ("*.balance.x__best_pp_plan__*", r"\(position, [0-3]\).*  ->  .*\(position, [1-4]\)",
+     "the order of ties between two orders of one assignment: only an exact float tie of their "
+     "steps tells the slots apart (ties across assignments and sets: test_a_tie_goes_to_the_"
+     "first_candidate)"),
+    ("*.balance.x__plan_balance__*", r"base if widened else units, request\).*  ->  .*base if \(widened\) or True else units",
+     "with nothing widened the two lists hold the same units: the floor of the pair is the floor "
+     "of either, computed twice"),
     # planner/schedulers/pp_floors.py and local_indices: numpy spelled another way
     ("*pp_floors.x_*", r"np\.(fromiter|repeat|asarray|array|arange)\(.*(dtype=|count=).*  ->  .*(dtype=None|, \)|, \)\[| \* n)",
      "count only sizes fromiter's buffer; ranks, sizes and rows read without a dtype are int64, "
