@@ -71,9 +71,9 @@ def count(checkout: Path, model: str, dataset: str, context: int, plan: bool) ->
 
 
 def measure(before: Path, after: Path, cells: list[tuple[str, str, int]]) -> dict:
-    jobs = [(name, path, cell, plan) for cell in cells for name, path in (("before", before), ("after", after))
-            for plan in (True,)]
-    jobs += [(name, path, cells[0], False) for name, path in (("before", before), ("after", after))]
+    checkouts = (("before", before), ("after", after))
+    jobs = [(name, path, cell, True) for cell in cells for name, path in checkouts]
+    jobs += [(name, path, cells[0], False) for name, path in checkouts]  # the baseline: no plan
     out: dict = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {pool.submit(count, path, *cell, plan): (name, cell, plan) for name, path, cell, plan in jobs}

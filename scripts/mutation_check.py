@@ -942,12 +942,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _SPEED),
     ("*.balance.x__best_pp_plan__*", r"limit = best\[0\] \* \(1 \+ 1e-9\)  ->  limit = best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))",
      TOLERANCE),
-    ("*.balance.x__best_pp_plan__*", r"_units_floor\((base, base|units, units), request\) <= limit  ->  .*\) < limit",
+    ("*.balance.x__best_pp_plan__*", r"\(f <= limit for f in list_floors\)  ->  .*\(f < limit for",
      "a list whose floor equals the best can at most tie it, and that best comes from an earlier "
      "unit set (the lists are judged before this set's first candidate), which wins the tie"),
-    ("*.balance.x__best_pp_plan__*", r"use_units = not use_base or .*  ->  use_units = use_base or",
-     "the set passed its floor, the smaller of its lists': with the unwidened list over the limit "
-     "the widened one is under it, so both forms are true wherever the first differs"),
     ("*.balance.x__best_pp_plan__*", r"best = \(\*key, plan, build\(name, placements, grown\)\)  ->  .*build\((None, placements, grown|name, None, grown|name, placements, None)\)",
      "what builds a candidate is read only for a winner timed without its plan; here the plan is "
      "built already and returned as it is"),
@@ -959,9 +956,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the order of ties between two orders of one assignment: only an exact float tie of their "
      "steps tells the slots apart (ties across assignments and sets: test_a_tie_goes_to_the_"
      "first_candidate)"),
-    ("*.balance.x__plan_balance__*", r"base if widened else units, request\).*  ->  .*base if \(widened\) or True else units",
-     "with nothing widened the two lists hold the same units: the floor of the pair is the floor "
-     "of either, computed twice"),
     # planner/schedulers/pp_floors.py and local_indices: numpy spelled another way
     ("*pp_floors.x_*", r"np\.(fromiter|repeat|asarray|array|arange)\(.*(dtype=|count=).*  ->  .*(dtype=None|, \)|, \)\[| \* n)",
      "count only sizes fromiter's buffer; ranks, sizes and rows read without a dtype are int64, "

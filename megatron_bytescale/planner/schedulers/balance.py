@@ -149,9 +149,10 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
     for index, (choice, ctx, base) in enumerate(unit_options(request)):
         units, widened = widen_for_balance(list(base), ctx, n, pp_size=request.pp_size)
         units.sort(key=unit_sort_key)
-        # with nothing widened the two lists hold the same units: their floor once
-        options.append((_units_floor(units, base if widened else units, request), index, choice, ctx, base, units,
-                        widened))
+        # each list's own floor (with nothing widened the two hold the same units: one floor);
+        # the set's is the smaller, and _best_pp_plan skips a list by its own
+        floors = (_units_floor(units, units, request),) + ((_units_floor(base, base, request),) if widened else ())
+        options.append((min(floors), index, choice, ctx, base, units, widened, floors))
     # the set with the lowest floor first; a later one whose floor is already slower than the
     # best plan cannot win (ties go to the earlier set of unit_options: no offload)
     options.sort(key=lambda o: (o[0], o[1]))
@@ -161,7 +162,7 @@ def _plan_balance(request: PlanRequest) -> StepPlan:
             plan = even_expert_slots(plan, request, cost_model, NAME)  # the winner only: 1F1B estimates cost
         return plan
     best = None
-    for floor, index, choice, ctx, base, units, widened in options:
+    for floor, index, choice, ctx, base, units, widened, _ in options:
         if best is not None and floor > best[0] * (1 + 1e-9):
             continue
         placements, assignment, grown, step = _best_dp_assignment(units, base, widened, ctx, n)
@@ -242,8 +243,9 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     reorderings (:func:`.pp_floors.order_free_floor`), a candidate. The rings of their own come
     timed from their layer-cap walk, and that step is the first best to beat. Ties go to the
     earlier candidate (the earlier set of :func:`.selective.unit_options`, then the list order),
-    so skipping never changes the winner (at PP 1 with expert groups, where every estimated candidate is evened first, a
-    floor no longer bounds the evened plan and the skip is a heuristic). Returns the plan and
+    so skipping never changes the winner (at PP 1 with expert groups, where every estimated
+    candidate is evened first, a floor no longer bounds the evened plan and the skip is a
+    heuristic). Returns the plan and
     the cost model it was timed with; a winner timed without its plan comes back without an
     estimate, which :func:`..make_plan` attaches (the same floats) when the caller keeps one."""
     n = request.hdp_size
@@ -251,7 +253,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     # (step, (unit set, (assignment, variant)), the plan if built, what builds it)
     best: tuple[float, tuple[int, tuple[int, int]], StepPlan | None, tuple] | None = None
     quick = times_without_plan(request)
-    for units_floor, set_index, choice, ctx, base, units, widened in options:
+    for units_floor, set_index, choice, ctx, base, units, widened, list_floors in options:
         if best is not None and units_floor > best[0] * (1 + 1e-9):
             continue
         seconds: dict = {}  # placement stage times of this unit set's candidates (one cost model)
@@ -273,8 +275,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         use_units = use_base = True
         if best is not None and widened:
             limit = best[0] * (1 + 1e-9)
-            use_base = _units_floor(base, base, request) <= limit
-            use_units = not use_base or _units_floor(units, units, request) <= limit
+            use_units, use_base = (f <= limit for f in list_floors)
         pool = []
         if use_units:
             pool.append(("pp-steps", level_steps(units, ctx, n, finish_times), widened, units))
