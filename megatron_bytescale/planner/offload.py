@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -110,6 +111,29 @@ def ring_size_without_offload(length: int, *, capacity: int, cost_model: CostMod
             raise ValueError(no_ring_fits(length, capacity, align))
         d += 1
     return d
+
+
+def ring_sizes_without_offload(lengths: Sequence[int], *, capacity: int, cost_model: CostModel, layers: int,
+                               align: int = 1) -> list[int]:
+    """:func:`ring_size_without_offload` of every length at once (the same sizes, the same
+    error): sharding sizes thousands of long sequences per step, and the scalar search's cost
+    model and zigzag calls per sequence were a sizeable part of it.
+
+    The search starts at ``ceil(s / C)`` alone: ``Act`` is linear with an intercept >= 0 (the
+    cost model refuses a negative one), so ``Act(s) / Act(C)`` never exceeds ``s / C``."""
+    s = np.asarray(lengths, dtype=np.int64)
+    if not len(s):
+        return []
+    d = -(-s // capacity)
+    last = np.maximum(d, -(-s // align))
+    while True:
+        short = max_zigzag_share_array(s, d, align) > capacity + _EPS  # resident_tokens at r = 0
+        if not short.any():
+            return d.tolist()
+        if (short & (d >= last)).any():  # the scalar search raises, for the first such length
+            for n in s.tolist():
+                ring_size_without_offload(n, capacity=capacity, cost_model=cost_model, layers=layers, align=align)
+        d = d + short
 
 
 def host_bytes_per_member(length: int, ring_size: int, offload_ratio: float, *, layers: int,
@@ -190,6 +214,7 @@ def solve_offload(
     offload: bool = True,
     max_ring_size: int | None = None,
     in_flight: int = 1,
+    without_offload: int | None = None,
 ) -> OffloadDecision:
     """Eq. 3 for one sequence of ``length >= capacity`` tokens (shorter ones get D = 1, r = 0).
 
@@ -198,8 +223,10 @@ def solve_offload(
     cost model charges the exposed transfer). Callers check :func:`max_fitting_length` first to
     reject sequences that cannot fit at all. ``in_flight``: micro-batches whose offloaded
     activations share a rank's host memory at once (the host budget, module docstring).
+    ``without_offload``: :func:`ring_size_without_offload` of ``length`` when the caller has it.
     """
-    d0 = ring_size_without_offload(length, capacity=capacity, cost_model=cost_model, layers=layers, align=align)
+    d0 = (ring_size_without_offload(length, capacity=capacity, cost_model=cost_model, layers=layers, align=align)
+          if without_offload is None else without_offload)
     if length < capacity or not offload or layers <= 2 or d0 == 1:
         return OffloadDecision(ring_size=d0, offload_ratio=0.0, ring_size_without_offload=d0)
     act_s = cost_model.activation_bytes(length)

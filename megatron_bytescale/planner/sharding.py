@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from .cost_model import CostModel
-from .offload import minimal_ratio_for_ring, solve_offload
+from .offload import minimal_ratio_for_ring, ring_sizes_without_offload, solve_offload
 from .slots import slot_constructor
 from .topology import Topology
 
@@ -183,27 +183,37 @@ def best_fit_decreasing(ids: Sequence[int], lengths: Sequence[int], capacity: in
     that still fits it, else a new bin. Bins are returned in creation order, items in insertion
     order.
     """
+    return best_fit_packs(ids, lengths, capacity)[0]
+
+
+def best_fit_packs(ids: Sequence[int], lengths: Sequence[int], capacity: int) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`best_fit_decreasing`'s bins of ids and, bin for bin, the lengths they hold."""
     if not len(ids):
-        return []
+        return [], []
+    ids_a = np.asarray(ids, dtype=np.int64)
+    len_a = np.asarray(lengths, dtype=np.int64)
     # longest first, ties by id (a numpy sort: the same order as sorted() with that key)
-    order = np.lexsort((np.asarray(ids, dtype=np.int64), -np.asarray(lengths, dtype=np.int64)))
+    order = np.lexsort((ids_a, -len_a))
     bins: list[list[int]] = []
+    packs: list[list[int]] = []
     shift = max(1, len(ids)).bit_length()
-    mask = (1 << shift) - 1
     room: list[int] = []  # sorted keys remaining << shift | bin index (one int compares fast)
+    mask = (1 << shift) - 1
     left, insort = bisect.bisect_left, bisect.insort
-    for i in order.tolist():
-        need = lengths[i]
-        pos = left(room, need << shift)
+    for sid, need in zip(ids_a[order].tolist(), len_a[order].tolist()):
+        key = need << shift
+        pos = left(room, key)
         if pos < len(room):
-            key = room.pop(pos)
-            b = key & mask
-            bins[b].append(ids[i])
-            insort(room, ((key >> shift) - need) << shift | b)
+            old = room.pop(pos)
+            b = old & mask
+            bins[b].append(sid)
+            packs[b].append(need)
+            insort(room, old - key)  # the room left, the same bin index in the low bits
         else:
-            bins.append([ids[i]])
-            insort(room, (capacity - need) << shift | (len(bins) - 1))
-    return bins
+            insort(room, (capacity - need) << shift | len(bins))
+            bins.append([sid])
+            packs.append([need])
+    return bins, packs
 
 
 def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext) -> list[Unit]:
@@ -218,24 +228,26 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
     long_ids = ids_a[is_long]
     by_id = np.argsort(long_ids, kind="stable")  # ids are unique: the order of sorted((id, n))
     long_ = list(zip(long_ids[by_id].tolist(), len_a[is_long][by_id].tolist()))
-    short_ids, short_lengths = ids_a[~is_long].tolist(), len_a[~is_long].tolist()
+    short_ids, short_lengths = ids_a[~is_long], len_a[~is_long]
     units: list[Unit] = []
-    decisions = [solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model,
-                               align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size,
-                               in_flight=ctx.in_flight)
-                 for _, n in long_]
-    times = long_times([n for _, n in long_], [d.ring_size for d in decisions],
-                       [d.offload_ratio for d in decisions], ctx)
-    for (sid, n), dec, t in zip(long_, decisions, times):
-        unit = Unit(seqs=(sid,), lengths=(n,), ring_size=dec.ring_size, offload_ratio=dec.offload_ratio,
-                    min_ring_size=dec.ring_size, time=t)
-        units.append(ctx.resize(unit, dec.ring_size))  # whole nodes for a two-level ring
-    if short_ids:
-        length_of = dict(zip(short_ids, short_lengths))
-        bins = best_fit_decreasing(short_ids, short_lengths, ctx.capacity)
-        packs = [tuple(map(length_of.__getitem__, b)) for b in bins]
+    long_lengths = [n for _, n in long_]
+    free = ring_sizes_without_offload(long_lengths, capacity=ctx.capacity, cost_model=ctx.cost_model,
+                                      layers=ctx.layers, align=ctx.align)
+    if ctx.offload and ctx.layers > 2:
+        decisions = [(dec.ring_size, dec.offload_ratio) for dec in (
+            solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model, align=ctx.align,
+                          offload=True, max_ring_size=ctx.hdp_size, in_flight=ctx.in_flight, without_offload=d0)
+            for n, d0 in zip(long_lengths, free))]
+    else:  # solve_offload's answer without offload: the offload-free ring
+        decisions = [(d0, 0.0) for d0 in free]
+    times = long_times(long_lengths, [d for d, _ in decisions], [r for _, r in decisions], ctx)
+    make = _unit
+    for (sid, n), (d, r), t in zip(long_, decisions, times):
+        units.append(ctx.resize(make((sid,), (n,), d, r, d, t), d))  # whole nodes for a two-level ring
+    if len(short_ids):
+        bins, packs = best_fit_packs(short_ids, short_lengths, ctx.capacity)
         make = _unit
-        units += [make(tuple(b), p, 1, 0.0, 1, t) for b, p, t in zip(bins, packs, pack_times(packs, ctx))]
+        units += [make(tuple(b), tuple(p), 1, 0.0, 1, t) for b, p, t in zip(bins, packs, pack_times(packs, ctx))]
     return units
 
 

@@ -24,7 +24,6 @@ simulator share.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass
@@ -165,7 +164,7 @@ class Topology:
 
     def min_nodes(self, ring_size: int) -> int:
         """The fewest nodes a ring of ``ring_size`` ranks can sit on."""
-        return max(1, math.ceil(ring_size / self.ranks_per_node))
+        return max(1, -(-ring_size // self.ranks_per_node))  # integer ceil: exact, no float
 
     def ring_nodes(self, ring: Sequence[int]) -> int:
         """Distinct nodes ``ring`` spans."""
@@ -201,7 +200,7 @@ class Topology:
         """``members`` ordered node by node (nodes by id, ranks by id inside a node), so the
         ring crosses one network link per node boundary."""
         if self.node_of is None:  # node = rank // g grows with the rank
-            return tuple(sorted(int(r) for r in members))
+            return tuple(sorted(map(int, members)))
         return tuple(sorted((int(r) for r in members), key=lambda r: (self.node(r), r)))
 
     def two_level_group(self, ring: Sequence[int]) -> int:

@@ -9,6 +9,8 @@ this file or reached by switching the fast path off: plan content hashes must be
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -222,3 +224,76 @@ def test_free_ranks_match_the_plain_rule():
             fb = bool(rng.random() < 0.3)
             assert fast.take(d, fallback=fb) == _take_reference(ref, d, topo, fb)
             assert fast.remaining() == sorted(r for v in ref.values() for r in v)
+
+
+def test_ring_sizes_without_offload_match_the_scalar_search():
+    """The vectorised offload-free ring sizes (sharding sizes every long sequence at once) are
+    the scalar search's, for alignments that push sizes past the activation ratio, and the
+    same error where no ring holds a sequence."""
+    from megatron_bytescale.planner.offload import ring_size_without_offload, ring_sizes_without_offload, solve_offload
+
+    rng = np.random.default_rng(5)
+    bumped = 0  # sizes the zigzag check pushed past the activation ratio and ceil(n / C)
+    for cm in (small_cost_model(), preset_cost_model("llama-7b")):
+        for capacity, align, layers in ((512, 1, 8), (300, 7, 2), (1024, 16, 4), (64, 24, 8), (777, 100, 16)):
+            lengths = np.concatenate([rng.integers(capacity, capacity * 80, 300),
+                                      [capacity, capacity + 1, 2 * capacity - 1, 2 * capacity]]).tolist()
+            kw = dict(capacity=capacity, cost_model=cm, layers=layers, align=align)
+            want = [ring_size_without_offload(n, **kw) for n in lengths]
+            assert ring_sizes_without_offload(lengths, **kw) == want
+            start = [max(1, math.ceil(cm.activation_bytes(n) / cm.activation_bytes(capacity) - 1e-9),
+                         -(-n // capacity)) for n in lengths]
+            bumped += sum(d > s for d, s in zip(want, start))
+            assert start == [-(-n // capacity) for n in lengths]  # Act(s) / Act(C) never sets the start
+            if align == 1:  # the default alignment
+                assert ring_sizes_without_offload(lengths, capacity=capacity, cost_model=cm, layers=layers) == want
+            for n, d0 in list(zip(lengths, want))[:40]:  # the caller's D0 handed in: the same decision
+                args = dict(capacity=capacity, layers=layers, cost_model=cm, align=align, max_ring_size=64)
+                assert solve_offload(n, without_offload=d0, **args) == solve_offload(n, **args)
+    assert bumped > 50
+    assert ring_sizes_without_offload([], capacity=64, cost_model=small_cost_model(), layers=4) == []
+    kw = dict(capacity=64, cost_model=small_cost_model(), layers=4, align=100)  # no ring holds 100 > 64
+    with pytest.raises(ValueError) as scalar:
+        ring_size_without_offload(500, **kw)
+    with pytest.raises(ValueError) as vector:
+        ring_sizes_without_offload([64, 500, 900], **kw)
+    assert str(vector.value) == str(scalar.value) and "500" in str(scalar.value)
+
+
+def test_packs_hold_the_lengths_of_their_bins():
+    from megatron_bytescale.planner.sharding import best_fit_packs
+
+    rng = np.random.default_rng(12)
+    for _ in range(20):
+        n = int(rng.integers(1, 300))
+        ids = rng.permutation(5000)[:n].tolist()
+        lengths = rng.integers(1, 800, n).tolist()
+        bins, packs = best_fit_packs(ids, lengths, 800)
+        length_of = dict(zip(ids, lengths))
+        assert bins == _bfd_reference(ids, lengths, 800)
+        assert packs == [[length_of[i] for i in b] for b in bins]
+
+
+def test_placements_added_at_once_are_the_plan_of_adding_each():
+    """``add_placements`` (single-rank micro-batches inline) builds what ``add`` per placement
+    does: the same micro-batches, pieces and orders on every rank."""
+    from megatron_bytescale.planner.schedulers._common import FastPlanBuilder, placement
+
+    rng = np.random.default_rng(4)
+    lengths = {i: int(n) for i, n in enumerate(rng.integers(1, 5000, 400))}
+    placements, seq = [], 0
+    while seq < len(lengths):
+        d = int(rng.choice([1, 1, 1, 2, 3, 4]))
+        k = 1 if d > 1 else int(rng.integers(1, 5))
+        ring = tuple(sorted(rng.choice(8, d, replace=False).tolist()))
+        placements.append(placement(ring, tuple(range(seq, min(seq + k, len(lengths)))), float(rng.random() < 0.2)))
+        seq += k
+    for pieces in (True, False):
+        one, all_ = (FastPlanBuilder(hdp_size=8, capacity=4096, lengths=lengths, align=4, pieces=pieces)
+                     for _ in range(2))
+        for p in placements:
+            one.add(p.ring, p.seqs, p.offload_ratio)
+        all_.add_placements(placements)
+        assert all_.per_rank == one.per_rank and all_._next_order == one._next_order == len(placements)
+        assert sum(len(mb.pieces) for mbs in all_.per_rank for mb in mbs if len(mb.ring) == 1) == (
+            sum(len(p.seqs) for p in placements if len(p.ring) == 1) if pieces else 0)

@@ -133,3 +133,42 @@ def test_shard_batch_units():
     assert all(sum(u.lengths) <= 100 for u in packs)
     assert sorted(s for u in units for s in u.seqs) == ids
     assert shard_batch(ids, lengths, ctx) == units  # deterministic
+
+
+def test_shard_batch_sizes_every_long_sequence_as_solve_offload_does():
+    """Each long unit is Eq. 3's decision for its sequence (ring, ratio, and that ring as its
+    minimum), with the context's alignment, layers (2 cannot offload, 3 can), offload switch and
+    HDP size (a ring wider than the ranks takes the ratio that fits them); each pack sits on one
+    rank with a minimum of one."""
+    import numpy as np
+
+    from megatron_bytescale.planner.offload import solve_offload
+
+    rng = np.random.default_rng(8)
+    lengths = np.concatenate([rng.integers(1, 100, 40), rng.integers(100, 3000, 60)]).tolist()
+    ids = list(range(len(lengths)))
+    seen_offload = seen_capped = 0
+    for layers, align, offload, hdp in ((8, 1, True, 64), (3, 8, True, 64), (2, 1, True, 64),
+                                        (8, 8, False, 64), (16, 1, True, 6), (4, 24, True, 12)):
+        ctx = ShardingContext(capacity=100, layers=layers, cost_model=small_cost_model(), hdp_size=hdp,
+                              align=align, offload=offload, in_flight=2)
+        for u in shard_batch(ids, lengths, ctx):
+            if len(u.seqs) > 1 or u.lengths[0] < 100:
+                assert (u.ring_size, u.offload_ratio, u.min_ring_size) == (1, 0.0, 1)
+                continue
+            dec = solve_offload(u.lengths[0], capacity=100, layers=layers, cost_model=ctx.cost_model, align=align,
+                                offload=offload, max_ring_size=hdp, in_flight=2)
+            assert (u.ring_size, u.offload_ratio, u.min_ring_size) == (dec.ring_size, dec.offload_ratio,
+                                                                       dec.ring_size)
+            assert u.time == ctx.unit_time(u.lengths, u.ring_size, u.offload_ratio)
+            seen_offload += u.offload_ratio > 0
+            seen_capped += dec.ring_size == hdp < dec.ring_size_without_offload
+    assert seen_offload > 20 and seen_capped > 5
+
+
+def test_shard_batch_names_a_sequence_no_ring_holds():
+    """An alignment above the capacity leaves no ring that holds a long sequence: the error
+    names its length, as the scalar search does."""
+    ctx = ShardingContext(capacity=64, layers=8, cost_model=small_cost_model(), hdp_size=8, align=100, offload=False)
+    with pytest.raises(ValueError, match="500"):
+        shard_batch([0, 1], [30, 500], ctx)

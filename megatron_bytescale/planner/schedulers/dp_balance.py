@@ -87,7 +87,7 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
             t, r = pop(heap)
             if t == cur[r] and r not in picked:
                 picked.append(r)
-        start, ring, t_u = _place_ring(u, picked, placer, ctx)
+        start, ring, t_u = _place_ring(u, picked, placer, ctx, cur)
         for r in ring:
             holes.add(cur[r], start, r)
         end = start + t_u
@@ -100,17 +100,18 @@ def dp_balance(units: Sequence[Unit], ctx: ShardingContext, n: int) -> tuple[lis
             cur[r] = end
             push(heap, (end, r))
         timed.append((start, index, placement(ring, u.seqs, u.offload_ratio)))
-    timed.sort(key=lambda x: (x[0], x[1]))
+    timed.sort()  # by start, then unit index (unique: the placements are never compared)
     return [p for _, _, p in timed], float(loads.max()) if n else 0.0
 
 
-def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext
+def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingContext, cur: list[float]
                 ) -> tuple[float, tuple[int, ...], float]:
     """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks when they already
     sit on the fewest nodes (then no compact ring starts earlier), else
-    :meth:`.placement.RingPlacer.fewest_nodes` over all ranks (see :func:`dp_balance`)."""
+    :meth:`.placement.RingPlacer.fewest_nodes` over all ranks (see :func:`dp_balance`).
+    ``cur``: every rank's load as Python floats (the placer's loads, read without numpy)."""
     ring = placer.topology.node_contiguous(picked)
-    start = float(placer.loads[list(ring)].max())
+    start = max(map(cur.__getitem__, ring))
     if not placer.spans_min_nodes(ring):
         choice = placer.fewest_nodes(len(picked), earliest=start)
         if choice is not None:  # None only if there are fewer than len(picked) ranks

@@ -176,6 +176,7 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
         d = u.ring_size
+        fewest = topo.min_nodes(d)
         best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
         # (d-th smallest load, count) of every group that holds d
         bounds = [(ranked[d - 1][0], c) for c, ranked in groups.items() if len(ranked) >= d]
@@ -185,9 +186,11 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
                 break  # neither this group nor a later one can win: see the docstring
             ranked = groups[c]
             members = topo.node_contiguous([r for _, r in ranked[:d]])
-            if not placer.spans_min_nodes(members):
+            extra = topo.ring_nodes(members) - fewest  # > 0: not on the fewest nodes (spans_min_nodes)
+            if extra > 0:
                 start, members = placer.fewest_nodes_ranked(d, ranked, earliest=start)
-            score = (topo.ring_nodes(members) - topo.min_nodes(d), start, c)
+                extra = topo.ring_nodes(members) - fewest
+            score = (extra, start, c)
             if best is None or score < best[0]:
                 best = (score, members)
         if best is None:
