@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: instructions one PP-Balance plan executes, two checkouts side by side (valgrind).
+"""Benchmark: instructions one balance plan executes, two checkouts side by side (valgrind).
 
 Planning CPU time on a shared 2-core machine drifts by a third within minutes, more than a
 round of planner changes moves it, so a side-by-side CPU timing (``bench_planner_side_by_side``)
@@ -10,7 +10,12 @@ and builds the batch is counted too and subtracted. The count is not a time (cal
 model caches or numpy's vector units), but for the same Python code paths it moves with it.
 
     .venv/bin/python scripts/bench_planner_instructions.py --before /path/to/older/checkout \\
-        [--after .] [--cells llama-70b:github:2M,...] [--json FILE | --from-json FILE] [--no-write]
+        [--after .] [--cells llama-70b:github:2M,dp:byted:256K,...] [--json FILE | --from-json FILE] [--no-write]
+
+A cell is a Fig. 17 PP cell (``model:dataset:context``, planned as the simulator and
+``bench_planner_side_by_side`` plan it) or ``dp:dataset:256K``: DP-Balance on the 32M-token
+batch over 1,024 ranks with offload off, ``make_plan`` as training calls it (with its estimate
+and every document's pieces).
 
 Needs ``valgrind`` on the PATH; about 1-2 minutes per cell and checkout (two run at once).
 Writes section ``planner_instructions`` of docs/benchmarks.md.
@@ -25,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,19 +38,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import machine_line, markdown_table, write_section  # noqa: E402
 
-# Plans one Fig. 17 PP cell as bench_planner_side_by_side's worker does (model, dataset,
-# context; "none" builds the batch and plans nothing).
+# Plans one cell: a Fig. 17 PP cell as bench_planner_side_by_side's worker does (model, dataset,
+# context), or with model "dp" DP-Balance at 1,024 ranks, offload off, estimate and pieces on
+# ("none" builds the batch and plans nothing).
 WORKER = r"""
 import sys
 from megatron_bytescale.data.synthetic import synthetic_lengths
+from megatron_bytescale.planner.presets import preset_cost_model
 from megatron_bytescale.planner.schedulers import make_plan
 from megatron_bytescale.sim import paper
 model, dataset, context, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "plan"
 lengths = synthetic_lengths(dataset, paper.GLOBAL_TOKENS, seed=0, max_length=context)
-setup = paper.paper_setup(model)
+if model == "dp":
+    kw = dict(hdp_size=1024, capacity=8192, cost_model=preset_cost_model("llama-7b"), offload=False)
+else:
+    setup = paper.paper_setup(model)
+    kw = dict(pieces=False, hdp_size=setup.hdp_size, capacity=setup.capacity, cost_model=setup.cost_model,
+              pp_size=setup.pp_size, offload=True)
 if plan:
-    make_plan(lengths, scheduler="balance", context_length=context, pieces=False, hdp_size=setup.hdp_size,
-              capacity=setup.capacity, cost_model=setup.cost_model, pp_size=setup.pp_size, offload=True)
+    make_plan(lengths, scheduler="balance", context_length=context, **kw)
 """
 
 DEFAULT_CELLS = "llama-70b:github:2M,mistral-8x7b:github:1M,mistral-8x22b:github:512K"
@@ -57,13 +69,21 @@ def _context(text: str) -> int:
     return int(match[1]) << (10 if match[2] == "K" else 20)
 
 
-def count(checkout: Path, model: str, dataset: str, context: int, plan: bool) -> int:
+def _env(checkout: Path, cache: Path) -> dict:
+    """The worker's environment: the checkout first on the path, bytecode cached in ``cache``
+    (where ``PYTHONDONTWRITEBYTECODE`` is set, every process would compile every module it
+    imports, and a module one checkout imports only while planning would count as planning)."""
+    env = dict(os.environ, PYTHONPATH=str(checkout), PYTHONWARNINGS="ignore", PYTHONPYCACHEPREFIX=str(cache))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def count(checkout: Path, cache: Path, model: str, dataset: str, context: int, plan: bool) -> int:
     """Instructions of one worker process (callgrind's total)."""
-    env = dict(os.environ, PYTHONPATH=str(checkout), PYTHONWARNINGS="ignore")
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", WORKER,
          model, dataset, str(context), "plan" if plan else "none"],
-        cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
+        cwd=checkout, env=_env(checkout, cache), capture_output=True, text=True, timeout=1800)
     match = re.search(r"Collected : (\d+)", out.stderr)
     if out.returncode != 0 or not match:
         raise SystemExit(f"valgrind in {checkout} ({model} {dataset} {context}) failed:\n{out.stderr[-2000:]}")
@@ -73,36 +93,47 @@ def count(checkout: Path, model: str, dataset: str, context: int, plan: bool) ->
 def measure(before: Path, after: Path, cells: list[tuple[str, str, int]]) -> dict:
     checkouts = (("before", before), ("after", after))
     jobs = [(name, path, cell, True) for cell in cells for name, path in checkouts]
-    jobs += [(name, path, cells[0], False) for name, path in checkouts]  # the baseline: no plan
+    # the baselines: no plan, one per kind of cell (DP builds its own cost model)
+    firsts = {c[0] == "dp": c for c in reversed(cells)}
+    jobs += [(name, path, cell, False) for cell in firsts.values() for name, path in checkouts]
     out: dict = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {pool.submit(count, path, *cell, plan): (name, cell, plan) for name, path, cell, plan in jobs}
-        for future, (name, cell, plan) in futures.items():
-            key = " ".join(map(str, cell)) if plan else "imports"
-            out.setdefault(key, {})[name] = future.result()
-            print(f"[instructions] {name} {key}: {out[key][name] / 1e9:.2f} G", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-pycache-") as tmp:
+        caches = {name: Path(tmp) / name for name, _ in checkouts}
+        for name, path in checkouts:  # fill each checkout's bytecode cache: one plain plan per kind
+            for cell in firsts.values():
+                subprocess.run([sys.executable, "-c", WORKER, *map(str, cell), "plan"], cwd=path,
+                               env=_env(path, caches[name]), check=True, timeout=600)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {pool.submit(count, path, caches[name], *cell, plan): (name, cell, plan)
+                       for name, path, cell, plan in jobs}
+            for future, (name, cell, plan) in futures.items():
+                key = " ".join(map(str, cell)) if plan else ("imports dp" if cell[0] == "dp" else "imports")
+                out.setdefault(key, {})[name] = future.result()
+                print(f"[instructions] {name} {key}: {out[key][name] / 1e9:.2f} G", file=sys.stderr, flush=True)
     return out
 
 
 def section(results: dict, label: str) -> str:
     rows = []
-    base = results["imports"]
     for key, r in results.items():
-        if key == "imports":
+        if key.startswith("imports"):
             continue
         model, dataset, context = key.split()
+        base = results["imports dp" if model == "dp" else "imports"]
         b, a = r["before"] - base["before"], r["after"] - base["after"]
+        model = "DP-Balance, 1,024 ranks" if model == "dp" else model
         c = int(context)
         rows.append([model, dataset, f"{c >> 10}K" if c < 1 << 20 else f"{c >> 20}M", f"{b / 1e9:.2f}",
                      f"{a / 1e9:.2f}", f"{a / b:.2f}x"])
     return "\n".join([
-        "## Planner: instructions per PP-Balance plan, two commits (`scripts/bench_planner_instructions.py`)",
+        "## Planner: instructions per balance plan, two commits (`scripts/bench_planner_instructions.py`)",
         "",
         machine_line() + " " + label + " Instructions one `make_plan(scheduler='balance')` executes "
         "(valgrind callgrind, exact run to run), the process that only imports the planner and builds "
-        "the batch subtracted.",
+        "the batch subtracted. PP cells as the simulator plans them (no pieces); DP-Balance as "
+        "training calls it (its estimate and every document's pieces), offload off.",
         "",
-        markdown_table(["model", "dataset", "context", "before G instr.", "after G instr.", "after / before"], rows),
+        markdown_table(["planner / model", "dataset", "context", "before G instr.", "after G instr.", "after / before"], rows),
     ])
 
 

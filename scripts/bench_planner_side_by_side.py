@@ -6,7 +6,8 @@ day), so two planning-time runs taken one after the other compare the machine as
 code. Here one worker process per checkout (``PYTHONPATH`` set to it; the planner is imported
 once) plans each cell in turn: before, after, before, after (the second round in the other
 order), each time ``--repeats`` runs; a cell's figure is the minimum thread CPU time. Cells:
-DP-Balance on the 32M-token GitHub and Byted batches at 256K on 1,024 ranks (offload off), and
+DP-Balance on the 32M-token GitHub and Byted batches at 256K on 1,024 ranks (offload off,
+``make_plan`` as training calls it: with its estimate and every document's pieces), and
 every Fig. 17 PP cell (``paper_setup``'s default hardware, offload on), as
 ``scripts/bench_planner.py --only-time`` plans them.
 
@@ -46,16 +47,16 @@ for line in sys.stdin:
     context, repeats = int(context), int(repeats)
     if (dataset, context) not in lengths:
         lengths[dataset, context] = synthetic_lengths(dataset, paper.GLOBAL_TOKENS, seed=0, max_length=context)
-    if kind == "dp":
+    if kind == "dp":  # as training calls it: with the estimate and every document's pieces
         kw = dict(hdp_size=1024, capacity=8192, cost_model=preset_cost_model("llama-7b"), offload=False)
     else:
         setup = paper.paper_setup(kind)
         kw = dict(hdp_size=setup.hdp_size, capacity=setup.capacity, cost_model=setup.cost_model,
-                  pp_size=setup.pp_size, offload=True)
+                  pp_size=setup.pp_size, offload=True, pieces=False)
     seconds = []
     for _ in range(repeats):
         start = time.thread_time()
-        make_plan(lengths[dataset, context], scheduler="balance", context_length=context, pieces=False, **kw)
+        make_plan(lengths[dataset, context], scheduler="balance", context_length=context, **kw)
         seconds.append(time.thread_time() - start)
     print(json.dumps(seconds), flush=True)
 """
