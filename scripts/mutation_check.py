@@ -469,7 +469,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*offload.x_ring_sizes_without_offload__*", r"last = np\.maximum|d >= last|short & \(d",
      "speed only: this test only decides when to run the scalar search, which raises for a length "
      "no ring holds and returns for the others; the vector search then goes on as before"),
-    ("*offload.x_ring_sizes_without_offload__*", r"> capacity \+ _EPS  ->  .*>= capacity \+ _EPS",
+    ("*offload.x_ring_sizes_without_offload__*", r"> capacity \+ _EPS.*  ->  .*>= capacity \+ _EPS",
      "shares and capacities are integers: > C + 1e-9 and >= C + 1e-9 agree"),
     ("*sharding.x_best_fit_packs__*", r"asarray\((ids|lengths), dtype=np\.int64\)  ->  .*asarray\((ids|lengths), (dtype=None)?\)",
      "a list of Python ints becomes an int64 array with or without the dtype"),

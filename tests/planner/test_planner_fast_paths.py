@@ -235,7 +235,8 @@ def test_ring_sizes_without_offload_match_the_scalar_search():
     rng = np.random.default_rng(5)
     bumped = 0  # sizes the zigzag check pushed past the activation ratio and ceil(n / C)
     for cm in (small_cost_model(), preset_cost_model("llama-7b")):
-        for capacity, align, layers in ((512, 1, 8), (300, 7, 2), (1024, 16, 4), (64, 24, 8), (777, 100, 16)):
+        for capacity, align, layers in ((512, 1, 8), (5, 1, 4), (300, 7, 2), (1024, 16, 4), (64, 24, 8),
+                                        (777, 100, 16)):
             lengths = np.concatenate([rng.integers(capacity, capacity * 80, 300),
                                       [capacity, capacity + 1, 2 * capacity - 1, 2 * capacity]]).tolist()
             kw = dict(capacity=capacity, cost_model=cm, layers=layers, align=align)
