@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import numbers
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -304,7 +305,7 @@ class FastPlanBuilder(PlanBuilder):
             rank = int(ring[0])
             seqs = tuple(map(int, p.seqs))
             per_rank[rank].append(micro_batch(order, (rank,), p.offload_ratio, seqs,
-                                              tuple([piece(s, 0, lengths[s]) for s in seqs])))
+                                              tuple(map(piece, seqs, repeat(0), map(lengths.__getitem__, seqs)))))
 
     def add(self, ring: Iterable[int], seqs: Iterable[int], offload_ratio: float = 0.0) -> int:
         order = self._next_order

@@ -109,11 +109,19 @@ def _place_ring(u: Unit, picked: list[int], placer: RingPlacer, ctx: ShardingCon
     """``(start, ring, time)`` of unit ``u``: the load-only ``picked`` ranks when they already
     sit on the fewest nodes (then no compact ring starts earlier), else
     :meth:`.placement.RingPlacer.fewest_nodes` over all ranks (see :func:`dp_balance`).
-    ``cur``: every rank's load as Python floats (the placer's loads, read without numpy)."""
-    ring = placer.topology.node_contiguous(picked)
+    ``cur``: every rank's load as Python floats (the placer's loads, read without numpy).
+    A ring that fits the largest node sits on one node or takes :meth:`~.placement.RingPlacer.compact`
+    directly: what ``fewest_nodes`` returns for it (never None: every rank is eligible)."""
+    topo = placer.topology
+    d = len(picked)
+    ring = topo.node_contiguous(picked)
     start = max(map(cur.__getitem__, ring))
+    if d <= placer.width:
+        if not topo.ring_is_intra_node(ring):
+            start, ring = placer.compact(d)
+        return start, ring, ctx.placed_time(u, ring)
     if not placer.spans_min_nodes(ring):
-        choice = placer.fewest_nodes(len(picked), earliest=start)
+        choice = placer.fewest_nodes(d, earliest=start)
         if choice is not None:  # None only if there are fewer than len(picked) ranks
             return choice[0], choice[1], ctx.placed_time(u, choice[1])
     return start, ring, ctx.placed_time(u, ring)
