@@ -331,6 +331,12 @@ TARGETS = [
             "tests/planner/test_planner_balance_scale.py::test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds",
             "tests/planner/test_planner_schedulers.py", "tests/planner/test_pp_short_first.py",
             "tests/planner/test_pp_isolate.py")),
+    Target("pp_rings", "planner/schedulers/pp_balance.py (a ring's count group: nodes counted once)",
+           "megatron_bytescale/planner/schedulers/pp_balance.py", ("x__place_rings_aligned",),
+           ("tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_next_levels_first.py",
+            "tests/planner/test_planner_balance_units.py", "tests/planner/test_planner_schedulers.py",
+            "tests/planner/test_pp_isolate.py", "tests/planner/test_topology_placement.py"),
+           lines=r"fewest = topo\.min_nodes|extra = topo\.ring_nodes|if extra > 0|score = \(extra"),
     Target("wavefront", "planner/wavefront.py (the 1F1B estimate in wavefronts)",
            "megatron_bytescale/planner/wavefront.py", ("*",),
            ("tests/planner/test_wavefront.py", "tests/planner/test_candidate_time.py",
@@ -612,11 +618,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the only caller tests `leaf < 0`: any negative marker means no bin has room"),
     ("*megatron_lm.x_check_args__*", r'"bytescale_hdp", False\):  ->  .*"bytescale_hdp", None\):',
      "None is as false as False"),
-    ("*dp_balance.x__place_ring__*", r"fewest_nodes\(len\(picked\), earliest=start\)  ->  .*fewest_nodes\(len\(picked\), \)",
+    ("*dp_balance.x__place_ring__*", r"fewest_nodes\(d, earliest=start\)  ->  .*fewest_nodes\(d, \)",
      "earliest only lets a compact ring that starts at the load-only start skip the search on "
      "more nodes; no ring starts before that start, so the search cannot return an earlier one"),
-    ("*balance.x_dp_balance__*", r"timed\.sort\(key=lambda x: \(x\[0\], x\[1\]\)\)  ->  timed\.sort\(key=None\)",
-     "tuples (start, index, placement) sort by (start, index) anyway: indices are unique"),
+    ("*dp_balance.x__place_ring__*", r"if d <= placer\.width:  ->  if d < placer\.width:",
+     "a ring exactly as wide as the largest node then goes the general way, where fewest_nodes "
+     "returns the same compact choice (one node, or the node where its d-th load is least)"),
     ("*widen.x__ring_grid__*", r"dtype=np.int64", "np.array of Python ints is int64 already"),
     ("*widen.x__ring_grid__*", r"x = max\(x \* 1\.1, x \+ 1\)|while x < hi",
      "grid resolution: the bisection after the grid search finds the same smallest ring, and a "
