@@ -621,6 +621,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*dp_balance.x__place_ring__*", r"fewest_nodes\(d, earliest=start\)  ->  .*fewest_nodes\(d, \)",
      "earliest only lets a compact ring that starts at the load-only start skip the search on "
      "more nodes; no ring starts before that start, so the search cannot return an earlier one"),
+    ("*balance.x__plan_balance__*", r"if widened else \(\)\)  ->  .*if \(widened\) or True else",
+     "speed only: with nothing widened the two lists hold the same units, so the second floor "
+     "equals the first (the set's floor is unchanged), and _best_pp_plan reads the pair only for a "
+     "widened set"),
     ("*dp_balance.x__place_ring__*", r"if d <= placer\.width:  ->  if d < placer\.width:",
      "a ring exactly as wide as the largest node then goes the general way, where fewest_nodes "
      "returns the same compact choice (one node, or the node where its d-th load is least)"),
