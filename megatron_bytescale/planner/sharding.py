@@ -233,20 +233,19 @@ def shard_batch(ids: Sequence[int], lengths: Sequence[int], ctx: ShardingContext
     long_lengths = [n for _, n in long_]
     free = ring_sizes_without_offload(long_lengths, capacity=ctx.capacity, cost_model=ctx.cost_model,
                                       layers=ctx.layers, align=ctx.align)
-    if ctx.offload and ctx.layers > 2:
-        decisions = [(dec.ring_size, dec.offload_ratio) for dec in (
-            solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model, align=ctx.align,
-                          offload=True, max_ring_size=ctx.hdp_size, in_flight=ctx.in_flight, without_offload=d0)
-            for n, d0 in zip(long_lengths, free))]
-    else:  # solve_offload's answer without offload: the offload-free ring
-        decisions = [(d0, 0.0) for d0 in free]
-    times = long_times(long_lengths, [d for d, _ in decisions], [r for _, r in decisions], ctx)
+    # Eq. 3 per sequence, from its offload-free ring (solve_offload returns that one at once
+    # without offload)
+    decisions = [solve_offload(n, capacity=ctx.capacity, layers=ctx.layers, cost_model=ctx.cost_model,
+                               align=ctx.align, offload=ctx.offload, max_ring_size=ctx.hdp_size,
+                               in_flight=ctx.in_flight, without_offload=d0)
+                 for n, d0 in zip(long_lengths, free)]
+    times = long_times(long_lengths, [d.ring_size for d in decisions], [d.offload_ratio for d in decisions], ctx)
     make = _unit
-    for (sid, n), (d, r), t in zip(long_, decisions, times):
-        units.append(ctx.resize(make((sid,), (n,), d, r, d, t), d))  # whole nodes for a two-level ring
+    for (sid, n), dec, t in zip(long_, decisions, times):
+        d = dec.ring_size  # whole nodes for a two-level ring: resize
+        units.append(ctx.resize(make((sid,), (n,), d, dec.offload_ratio, d, t), d))
     if len(short_ids):
         bins, packs = best_fit_packs(short_ids, short_lengths, ctx.capacity)
-        make = _unit
         units += [make(tuple(b), tuple(p), 1, 0.0, 1, t) for b, p, t in zip(bins, packs, pack_times(packs, ctx))]
     return units
 

@@ -287,7 +287,8 @@ def test_placements_added_at_once_are_the_plan_of_adding_each():
         d = int(rng.choice([1, 1, 1, 2, 3, 4]))
         k = 1 if d > 1 else int(rng.integers(1, 5))
         ring = tuple(sorted(rng.choice(8, d, replace=False).tolist()))
-        placements.append(placement(ring, tuple(range(seq, min(seq + k, len(lengths)))), float(rng.random() < 0.2)))
+        ratio = round(float(rng.random()), 3) if rng.random() < 0.3 else 0.0  # fractional offload ratios too
+        placements.append(placement(ring, tuple(range(seq, min(seq + k, len(lengths)))), ratio))
         seq += k
     for pieces in (True, False):
         one, all_ = (FastPlanBuilder(hdp_size=8, capacity=4096, lengths=lengths, align=4, pieces=pieces)
