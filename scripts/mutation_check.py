@@ -381,9 +381,9 @@ TARGETS = [
            "megatron_bytescale/planner/sharding.py", ("x_shard_batch",),
            ("tests/planner/test_planner_fast_paths.py", "tests/planner/test_planner_offload_sharding.py",
             "tests/planner/test_planner_selective_offload.py"),
-           lines=r"long_lengths|ring_sizes_without_offload|layers=ctx\.layers, align=ctx\.align\)|ctx\.layers > 2|"
-                 r"decisions = |solve_offload\(|without_offload=d0|zip\(long_lengths|make\(|best_fit_packs|"
-                 r"len\(short_ids\)|short_lengths = ids_a"),
+           lines=r"long_lengths|ring_sizes_without_offload|layers=ctx\.layers, align=ctx\.align\)|decisions = |"
+                 r"in_flight=ctx\.in_flight, without_offload=d0|zip\(long_lengths|make\(|d = dec\.ring_size|"
+                 r"best_fit_packs|len\(short_ids\)|short_lengths = ids_a"),
     Target("online_softmax", "runtime/online_softmax.py", "megatron_bytescale/runtime/online_softmax.py",
            ("*",), ("tests/runtime/test_runtime_online_softmax.py",)),
     Target("loss", "integration/schedule.py (token-level loss, config guard)",
@@ -481,12 +481,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "a list of Python ints becomes an int64 array with or without the dtype"),
     ("*sharding.x_best_fit_packs__*", r"shift = max\(1, len\(ids\)\)\.bit_length\(\)  ->  .*max\(2,",
      "one more low bit than the bin indices need: keys compare in the same order"),
-    ("*sharding.x_shard_batch__*", r"ctx\.layers > 2:  ->  .*ctx\.layers >= 2:",
-     "at two layers per stage solve_offload returns the offload-free ring, what the other branch gives"),
-    ("*sharding.x_shard_batch__*", r"without_offload=d0\)  ->  .*(without_offload=None|in_flight=ctx\.in_flight, )\)",
+    ("*sharding.x_shard_batch__*", r"without_offload=d0\)  ->  .*(without_offload=None|in_flight=ctx\.in_flight, ?)\)",
      "without the offload-free size handed in, solve_offload computes the same one"),
-    ("*sharding.x_shard_batch__*", r"offload=True, max_ring_size=ctx\.hdp_size.*  ->  \s*max_ring_size=ctx\.hdp_size",
-     "solve_offload's offload argument defaults to True"),
     # planner/order.py
     ("*order.x__barrier_segments__*", r'side="left"', "numpy's searchsorted defaults to side='left'"),
     ("*order.x_simulate__*", r'get\("barrier_after_orders", \[\]\) or \[\]',
