@@ -331,12 +331,14 @@ TARGETS = [
             "tests/planner/test_planner_balance_scale.py::test_pipeline_balance_is_within_ten_percent_of_the_lower_bounds",
             "tests/planner/test_planner_schedulers.py", "tests/planner/test_pp_short_first.py",
             "tests/planner/test_pp_isolate.py")),
-    Target("pp_rings", "planner/schedulers/pp_balance.py (a ring's count group: nodes counted once)",
+    Target("pp_rings", "planner/schedulers/pp_balance.py (a ring's count group: nodes counted once, "
+           "choices kept per unchanged group, members moved per group)",
            "megatron_bytescale/planner/schedulers/pp_balance.py", ("x__place_rings_aligned",),
            ("tests/planner/test_planner_pp_balance.py", "tests/planner/test_pp_next_levels_first.py",
             "tests/planner/test_planner_balance_units.py", "tests/planner/test_planner_schedulers.py",
             "tests/planner/test_pp_isolate.py", "tests/planner/test_topology_placement.py"),
-           lines=r"fewest = topo\.min_nodes|extra = topo\.ring_nodes|if extra > 0|score = \(extra"),
+           lines=r"fewest = topo\.min_nodes|extra = len\(|front = |if not front|score = \(extra|known|searched|"
+                 r"changed\[c\]|del ranked|moved|up = |len\(up\)|up \+= |up\.sort|insort\(up"),
     Target("wavefront", "planner/wavefront.py (the 1F1B estimate in wavefronts)",
            "megatron_bytescale/planner/wavefront.py", ("*",),
            ("tests/planner/test_wavefront.py", "tests/planner/test_candidate_time.py",

@@ -179,6 +179,8 @@ class Topology:
             return True
         if self.node_of is None:  # nodes are rank // g: one node iff the extremes share it
             g = self.ranks_per_node
+            if len(ring) > g:  # more members than a node has ranks (a ring's members differ)
+                return False
             return min(ring) // g == max(ring) // g
         first = self.node(ring[0])
         return all(self.node(r) == first for r in ring)

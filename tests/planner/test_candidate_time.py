@@ -115,7 +115,8 @@ def test_stage_times_kept_for_the_placements_of_another_candidate():
             want = np.asarray(estimate_plan(plan, ctx.cost_model).rank_time_s)
             got = finish_times(request, candidate, ctx.cost_model, seconds)
             assert got is None or np.array_equal(got, want)
-        assert {time_key(p) for p in placements} == seconds.keys()  # nothing costed twice
+        topo = Topology.of(request.cost_model, request.topology)
+        assert {time_key(p, topo) for p in placements} == seconds.keys()  # nothing costed twice
 
 
 def test_candidates_with_expert_groups_or_one_stage_are_estimated_from_their_plan():
@@ -155,16 +156,24 @@ def test_a_ring_across_a_boundary_of_the_given_node_map_and_the_kept_stage_times
     seconds: dict = {}
     assert np.array_equal(finish_times(request, placements, cm, seconds), want)
     costs = micro_batch_costs(plan, cm)  # the stage time of order k, the k-th placement
-    assert seconds == {time_key(p): t for p, t in zip(placements, costs.seconds.tolist())}
+    assert seconds == {time_key(p, node_map): t for p, t in zip(placements, costs.seconds.tolist())}
     assert costs.orders.tolist() == list(range(len(placements)))
     # a kept time is used for every micro-batch with its key: the same ring (an equal new
-    # object too), the same unit alone on another rank; a ring on other members is costed anew
+    # object too), the same unit alone on another rank, the ring on other members across nodes;
+    # the ring on members inside a node is costed anew
     ring = placements[0]
-    seconds[time_key(ring)] *= 10
+    seconds[time_key(ring, node_map)] *= 10
     slower = finish_times(request, placements, cm, seconds)
     assert slower[2] > want[2] and slower[3] > want[3]
     assert np.array_equal(finish_times(request, [replace(p) for p in placements], cm, seconds), slower)
-    seconds[time_key(placements[1])] *= 10  # sequence 1 alone on rank 0, now on rank 4
+    across = [Placement(ring=(1, 4), seqs=(0,))] + [Placement(ring=(r,), seqs=(s,)) for r, s in
+                                                   ((0, 1), (2, 2), (3, 3), (5, 4), (6, 5), (7, 6))]
+    fresh = finish_times(request, across, cm)
+    plan = emit_plan(replace(request, pieces=False), across, scheduler="balance")
+    assert np.array_equal(fresh, estimate_plan(plan, cm).rank_time_s)
+    kept = finish_times(request, across, cm, seconds)
+    assert kept[1] > fresh[1] and kept[4] > fresh[4]  # nodes 0 and 2: the kept time across nodes
+    seconds[time_key(placements[1], node_map)] *= 10  # sequence 1 alone on rank 0, now on rank 4
     swapped = [ring, replace(placements[1], ring=(4,)), placements[2], replace(placements[3], ring=(0,))] + placements[4:]
     assert finish_times(request, swapped, cm, seconds)[4] > slower[4]
     other = [Placement(ring=(1, 2), seqs=(0,)), Placement(ring=(0,), seqs=(1,)), Placement(ring=(3,), seqs=(2,))] + placements[3:]

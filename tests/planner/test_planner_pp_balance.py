@@ -401,3 +401,89 @@ def test_a_ring_goes_to_the_count_group_whose_dth_least_load_is_lowest():
     placements = _place_rings_aligned([second, first], c, RingPlacer(c.nodes, 4), load)
     assert [(p.seqs, p.ring) for p in placements] == [((0,), (0, 1)), ((1,), (0, 1))]
     assert load.loads == [0.0 + first.time + second.time, 1.0 + first.time + second.time, 9.0, 2.0]
+
+
+def _rings_by_full_search(rings, c, placer, load, ranks=None):
+    """What ``_place_rings_aligned`` chooses, by the plain search: every ring (widest first) on
+    the best ``(extra nodes, start, count)`` over every count group, each group's list rebuilt
+    from the loads; no group skipped, nothing kept between rings."""
+    from megatron_bytescale.planner.schedulers._common import Placement
+
+    topo = placer.topology
+    eligible = range(len(load.loads) if ranks is None else ranks)
+    count = [0] * len(load.loads)
+    out = []
+    for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
+        d, best = u.ring_size, None
+        for group in sorted({count[r] for r in eligible}):
+            ranked = sorted((load.loads[r], r) for r in eligible if count[r] == group)
+            if len(ranked) < d:
+                continue
+            start, members = ranked[d - 1][0], [r for _, r in ranked[:d]]
+            if topo.ring_nodes(members) > topo.min_nodes(d):
+                start, members = placer.fewest_nodes_ranked(d, ranked, earliest=start)
+            score = (topo.ring_nodes(members) - topo.min_nodes(d), start, group)
+            if best is None or score < best[0]:
+                best = (score, topo.node_contiguous(members))
+        ring = best[1]
+        t = c.placed_time(u, ring)
+        for r in ring:
+            if load.window:
+                load.add(r, t)
+            else:
+                x = t - load.longest[r]
+                load.loads[r] += t + load.fill_drain * max(x, 0.0)
+                load.longest[r] = max(load.longest[r], t)
+            count[r] += 1
+        out.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ring_placement_equals_the_search_of_every_count_group(seed):
+    """``_place_rings_aligned`` keeps each count group's list sorted, stops at the first group
+    that cannot win, reuses a group's choice while the group is unchanged and drops a group's
+    front at once; the plain search of every group, lists rebuilt per ring, must make the same
+    rings and loads. Random batches: runs of rings of one size (the kept choices), loads from a
+    few values (ties), nodes of 2, 3 and 4 ranks and irregular node maps, all three pipeline
+    loads, rings on a prefix of the ranks."""
+    import random
+
+    from megatron_bytescale.planner.schedulers.placement import RingPlacer
+    from megatron_bytescale.planner.schedulers.pp_balance import _place_rings_aligned
+    from megatron_bytescale.planner.topology import Topology
+
+    rng = random.Random(seed)
+    kinds = set()
+    for trial in range(60):
+        if rng.random() < 0.3:
+            sizes = [rng.randint(1, 5) for _ in range(rng.randint(3, 7))]
+            topology = Topology.from_node_map([k for k, m in enumerate(sizes) for _ in range(m)])
+            n = sum(sizes)
+        else:
+            g = rng.choice([2, 3, 4])
+            n = g * rng.randint(2, 6)
+            topology = Topology(ranks_per_node=g)
+        ranks = None if rng.random() < 0.6 else rng.randint(max(2, n // 2), n)
+        top = n if ranks is None else ranks
+        c = ShardingContext(capacity=1000, layers=1, cost_model=CM, hdp_size=n, offload=False, topology=topology)
+        rings, seq = [], 0
+        while len(rings) < rng.randint(3, 3 * n):
+            d = rng.randint(2, min(top, 9))
+            for _ in range(rng.choice([1, 1, 3, 6])):
+                rings.append(unit(seq, rng.choice([400, 900, 1500, 3000]) + rng.randint(0, 40), ring=d))
+                seq += 1
+        fill_drain, window = rng.choice([(0, 0), (3, 0), (0, 3), (0, 1)])
+        start = [rng.choice([0.0, 0.5, 1.0, 2.5]) for _ in range(n)]
+        loads = []
+        for _ in range(2):
+            load = PipelineLoad(n, fill_drain, window, CM.forward_fraction)
+            load.loads[:] = start
+            loads.append(load)
+        placer = RingPlacer(topology.first(top), top)
+        got = _place_rings_aligned(list(rings), c, placer, loads[0], ranks)
+        want = _rings_by_full_search(rings, c, RingPlacer(topology.first(top), top), loads[1], ranks)
+        assert got == want, (seed, trial)
+        assert loads[0].loads == loads[1].loads
+        kinds.add((fill_drain, window, ranks is None, topology.node_of is None))
+    assert len(kinds) >= 8

@@ -20,6 +20,9 @@ def test_regular_topology_nodes_and_links():
     assert [t.node(r) for r in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 2]
     assert t.min_nodes(1) == 1 and t.min_nodes(4) == 1 and t.min_nodes(5) == 2 and t.min_nodes(9) == 3
     assert t.ring_is_intra_node((4, 7, 5)) and not t.ring_is_intra_node((3, 4))
+    # a whole node is inside it; one rank more is not, wherever the extremes fall
+    assert t.ring_is_intra_node((4, 5, 6, 7)) and not t.ring_is_intra_node((4, 5, 6, 7, 8))
+    assert not t.ring_is_intra_node(tuple(range(12)))
     # the ring cycle wraps: (0, 1, 4, 5) crosses 1->4 and 5->0
     assert t.inter_node_links((0, 1, 4, 5)) == 2
     assert t.inter_node_links((0, 4, 1, 5)) == 4

@@ -84,6 +84,38 @@ def test_a_pipeline_alone_finishes_no_later_and_without_rings_the_same(seed):
     assert below > 20  # rings made some pipelines wait
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_pipelines_alone_in_count_bands_are_the_graph_walks_floats(seed):
+    """``pipelines_alone`` times pipelines in bands of similar micro-batch counts: lists from 0 to
+    ~100 micro-batches, many short and a few long (as balance's candidates have them), so that
+    there are several bands, wide ones on the numpy path and narrow ones on the Python tail, and
+    empty pipelines. Without rings every pipeline's finish is the graph walk's float."""
+    rng = random.Random(300 + seed)
+    pp = rng.randint(2, 6)
+    counts = [rng.choice([0, rng.randint(1, 6), rng.randint(1, 20)]) for _ in range(60)]
+    counts += [rng.randint(21, 110) for _ in range(rng.randint(1, 14))]
+    rng.shuffle(counts)
+    lists, dur, order = [], {}, 0
+    for c in counts:
+        lists.append(list(range(order, order + c)))
+        for o in lists[-1]:
+            dur[o] = rng.random() * rng.choice([1.0, 1e-3, 100.0])
+        order += c
+    assert len(wavefront._count_bands(np.array(counts))) >= 4
+    got = pipelines_alone([[dur[o] for o in ol] for ol in lists], pp, 1 / 3)
+    want = _simulate_pipelines(lists, dur, pp, 1 / 3, len(lists), False).rank_finish_s
+    assert np.array_equal(got, want)
+
+
+def test_count_bands_hold_every_pipeline_with_micro_batches_once_at_least_half_as_long_as_the_longest():
+    counts = np.array([0, 9, 3, 17, 4, 0, 8, 1, 16, 2, 5])
+    bands = wavefront._count_bands(counts)
+    assert sorted(np.concatenate(bands).tolist()) == [k for k, c in enumerate(counts) if c > 0]
+    for band in bands:
+        assert 2 * counts[band].min() > counts[band].max()
+    assert [sorted(counts[b].tolist()) for b in bands] == [[9, 16, 17], [5, 8], [3, 4], [2], [1]]
+
+
 def test_alone_floor_bounds_every_candidate_between_pipeline_floor_and_its_estimate(monkeypatch):
     """Every PP candidate balance ranks: order_free_floor <= alone_floor <= the full estimate, and the
     floors balance computes together equal each computed alone."""

@@ -33,10 +33,18 @@ def times_without_plan(request: PlanRequest) -> bool:
     return request.pp_size > 1 and request.ep_size == 1 and not request.meta.get("barrier_after_orders")
 
 
-def time_key(p: Placement) -> tuple:
+def time_key(p: Placement, topology: Topology, two_level: bool = False) -> tuple:
     """What sets a micro-batch's stage time in :func:`finish_times`' cache: its sequences, its
-    offload ratio and, for a ring, its members (they decide the links it crosses)."""
-    return p.seqs, p.offload_ratio, p.ring if len(p.ring) > 1 else None
+    offload ratio and, for a ring, its size, whether its members share a node and, for two-level
+    rings (``two_level``), its members per node. Those are all :func:`..estimate.costs_of` hands
+    the cost model for the seconds (a ring's links set its bytes, not its time), so one unit on
+    other members of the same kind (inside a node, across nodes) is costed once for all
+    candidates that place it so."""
+    ring = p.ring
+    if len(ring) == 1:
+        return p.seqs, p.offload_ratio, 1, True, 1
+    return (p.seqs, p.offload_ratio, len(ring), topology.ring_is_intra_node(ring),
+            topology.two_level_group(ring) if two_level else 1)
 
 
 def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel,
@@ -46,9 +54,9 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
     on all its members (build the plan and estimate it instead).
 
-    ``seconds`` (optional, filled in) holds each micro-batch's stage time by what sets it: its
-    sequences, offload ratio and, for a ring, its members (a single rank has no links, so a unit
-    alone costs the same on every rank). Candidates share most of them: reorderings move the
+    ``seconds`` (optional, filled in) holds each micro-batch's stage time by what sets it
+    (:func:`time_key`: a unit alone costs the same on every rank, a ring the same on any members
+    of one kind). Candidates share most of them: reorderings move the
     same placements, and the assignments of one unit set put the same single-rank units on
     other ranks. A micro-batch's time does not depend on the others costed with it (the cost
     model's array arithmetic is elementwise), so a cached time is the float a fresh costing
@@ -60,7 +68,8 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
     cache = {} if seconds is None else seconds
-    keys = [time_key(p) for p in placements]
+    two_level = cost_model.two_level_ring
+    keys = [time_key(p, topo, two_level) for p in placements]
     times = [cache.get(k) for k in keys]
     seen: dict[int, tuple[tuple[int, ...], tuple[int, ...], float]] = {}
     for order, t in enumerate(times):

@@ -69,7 +69,9 @@ class RingPlacer:
         for k, (a, c) in enumerate(zip(starts.tolist(), counts.tolist())):
             idx[k, :c] = order[a:a + c]
         self._idx = idx
-        self._row_of = row_of_rank.reshape(-1).tolist()
+        #: each rank's node as a row index (0 .. nodes - 1), a list: callers that count the
+        #: nodes a set of ranks spans read it directly (one lookup per rank, no sort)
+        self.row_of: list[int] = row_of_rank.reshape(-1).tolist()
         self._sizes = counts.astype(np.int64)
         # per node: positions (into the node's row) by load then rank, and the sorted loads
         self._order = np.tile(np.arange(self.width), (len(labels), 1))
@@ -93,11 +95,11 @@ class RingPlacer:
     def set_load(self, rank: int, value: float) -> None:
         """``loads[rank] = value`` (one rank: the hot path of list scheduling)."""
         self.loads[rank] = value
-        self._dirty.add(self._row_of[rank])
+        self._dirty.add(self.row_of[rank])
 
     def touch(self, ranks: Sequence[int]) -> None:
         """Note that the loads of ``ranks`` changed."""
-        row_of = self._row_of
+        row_of = self.row_of
         for r in ranks:
             self._dirty.add(row_of[r])
 
@@ -260,7 +262,7 @@ class RingPlacer:
                     return other
             return choice
         per_node: dict[int, int] = {}
-        row_of = self._row_of
+        row_of = self.row_of
         for _, r in ranked:
             k = row_of[r]
             per_node[k] = per_node.get(k, 0) + 1
@@ -276,7 +278,7 @@ class RingPlacer:
         """``(d-th smallest load, row, its d ranks)`` of the node (row) whose d-th smallest
         listed load is least, ties to the lower row, rows in ``skip`` left out; None if no node
         lists d ranks. Column ``d - 1`` of the masked sorted view, by walking ``ranked``."""
-        row_of, monotone = self._row_of, self._monotone
+        row_of, monotone = self.row_of, self._monotone
         seen: dict[int, list[int]] = {}
         best: tuple[float, int, list[int]] | None = None
         for load, r in ranked:
@@ -302,7 +304,7 @@ class RingPlacer:
             first = self._first_node_ranked(d, ranked)
             return None if first is None else (first[0], self.topology.node_contiguous(first[2]))
         whole, rest = divmod(d, g)
-        row_of, monotone = self._row_of, self._monotone
+        row_of, monotone = self.row_of, self._monotone
         seen: dict[int, int] = {}
         # (largest load, row) of the nodes whose every rank is listed, of full width: a node holds
         # at most g ranks, so only a node of g ranks, all listed, counts g
@@ -346,7 +348,7 @@ class RingPlacer:
         trying every load finds the same first fit: a load further right is a node's (d+1)-th
         rank or later, and once a node holds d ranks the sum is already at least d."""
         k_nodes = min(num_nodes, len(self._row_sizes))
-        row_of = self._row_of
+        row_of = self.row_of
         taken: dict[int, list[tuple[float, int]]] = {}  # row -> its listed ranks so far, in order
         at_least = [0] * (self.width + 1)
         held, i, n = 0, 0, len(ranked)

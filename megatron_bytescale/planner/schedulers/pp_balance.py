@@ -168,41 +168,61 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     window = pipeline_load.window
     n = len(load)
     topo = placer.topology
+    row_of = placer.row_of  # rank -> node row: the nodes a choice spans
     # count -> the ranks that have run that many micro-batches, as (load, rank) pairs sorted: the
     # group's d-th smallest load is entry d - 1 and its d least-loaded ranks (ties by rank) the
     # first d. Only ring members change load here, and each moves one group up.
     groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load, range(n if ranks is None else ranks)))}
     count = [0] * n
+    # a group's choice for a ring size depends only on its list: kept per group with the ring
+    # placement that last changed the group, it is reused while the group stays as it was (rings
+    # of one size come one after another, and each changes only two groups)
+    changed: dict[int, int] = {0: 0}  # group -> the ring placement that last changed it
+    searched: dict[int, tuple] = {}  # group -> (changed, d, start, members, extra nodes, front)
     placements: list[Placement] = []
     for u in sorted(rings, key=lambda x: (-x.ring_size, -x.time, x.seqs[0])):
         d = u.ring_size
         fewest = topo.min_nodes(d)
-        best: tuple[tuple[int, float, int], tuple[int, ...]] | None = None
+        # (score, members, whether they are their group's d least-loaded)
+        best: tuple[tuple[int, float, int], list[int], bool] | None = None
         # (d-th smallest load, count) of every group that holds d
         bounds = [(ranked[d - 1][0], c) for c, ranked in groups.items() if len(ranked) >= d]
         bounds.sort()
         for start, c in bounds:
             if best is not None and (0, start, c) >= best[0]:
                 break  # neither this group nor a later one can win: see the docstring
-            ranked = groups[c]
-            members = topo.node_contiguous([r for _, r in ranked[:d]])
-            extra = topo.ring_nodes(members) - fewest  # > 0: not on the fewest nodes (spans_min_nodes)
-            if extra > 0:
-                start, members = placer.fewest_nodes_ranked(d, ranked, earliest=start)
-                extra = topo.ring_nodes(members) - fewest
+            known = searched.get(c)
+            if known is not None and known[0] == changed[c] and known[1] == d:
+                start, members, extra, front = known[2:]
+            else:
+                ranked = groups[c]
+                members = [r for _, r in ranked[:d]]  # put in node-contiguous order once chosen
+                extra = len({row_of[r] for r in members}) - fewest  # > 0: not on the fewest nodes
+                front = extra <= 0
+                if not front:
+                    start, members = placer.fewest_nodes_ranked(d, ranked, earliest=start)
+                    extra = len({row_of[r] for r in members}) - fewest
+                searched[c] = (changed[c], d, start, members, extra, front)
             score = (extra, start, c)
             if best is None or score < best[0]:
-                best = (score, members)
+                best = (score, members, front)
         if best is None:
             raise RuntimeError("balance: no count group can hold a ring (internal error; see docstring)")
-        ring = best[1]
+        (_, _, c), members, front = best
+        ring = topo.node_contiguous(members)
         t = ctx.placed_time(u, ring)
+        # every member leaves group c for group c + 1 (all were in c)
+        ranked = groups[c]
+        if front:
+            del ranked[:d]
+        else:
+            for r in members:
+                del ranked[bisect.bisect_left(ranked, (load[r], r))]
+        if not ranked:
+            del groups[c]
+        changed[c] = changed[c + 1] = len(placements) + 1
+        moved = []
         for r in ring:
-            c = count[r]
-            ranked = groups[c]
-            del ranked[bisect.bisect_left(ranked, (load[r], r))]
-            if not ranked:
-                del groups[c]
             if window:
                 pipeline_load.add(r, t)
             else:
@@ -211,7 +231,17 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
                 if x > 0.0:
                     longest[r] = t
             count[r] = c + 1
-            bisect.insort(groups.setdefault(c + 1, []), (load[r], r))
+            moved.append((load[r], r))
+        up = groups.get(c + 1)
+        if up is None:
+            moved.sort()
+            groups[c + 1] = moved
+        elif len(up) > 16 * d:  # a few into a long list: bisect each
+            for pair in moved:
+                bisect.insort(up, pair)
+        else:  # sort merges the sorted list with the few new pairs
+            up += moved
+            up.sort()
         placements.append(Placement(ring=ring, seqs=u.seqs, offload_ratio=u.offload_ratio))
     return placements
 
