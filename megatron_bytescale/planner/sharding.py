@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -63,9 +64,9 @@ class ShardingContext:
     in_flight: int = 1
     """Micro-batches whose offloaded activations share a rank's host memory at once (pp_size)."""
 
-    @property
+    @cached_property
     def nodes(self) -> Topology:
-        """The topology, never None."""
+        """The topology, never None (made once: the schedulers ask for it per ring placed)."""
         return Topology.of(self.cost_model, self.topology)
 
     def node_group(self, ring_size: Any) -> Any:

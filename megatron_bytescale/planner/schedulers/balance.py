@@ -107,7 +107,7 @@ from .dp_balance import dp_balance, makespan_below
 from .ep_slots import even_expert_slots
 from .naive import fill_step_iter, fill_steps_aligned
 from .pp_balance import next_levels_first, pp_balance, short_first, singles_first, unit_times
-from .pp_floors import alone_floors, order_free_floor
+from .pp_floors import alone_floors, order_free_floor, units_by_seqs
 from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
 from .selective import unit_options
@@ -307,9 +307,10 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
                     best = (*key, None, build(name, placements, grown))
         # no reordering of an assignment beats its order-free floor: drop those already slower
         # than the best (strictly slower, so ties cannot move) before their reorderings are made
+        unit_of = {id(units): units_by_seqs(units), id(base): units_by_seqs(base)}  # built once per set
         if best is not None:
             pool = [(k, c) for k, c in enumerate(pool)
-                    if order_free_floor(c[1], c[3], ctx, request.pp_size) <= best[0] * (1 + 1e-9)]
+                    if order_free_floor(c[1], unit_of[id(c[3])], ctx, request.pp_size) <= best[0] * (1 + 1e-9)]
         else:
             pool = list(enumerate(pool))
         # each as built and reordered to fill the longest ring's 1F1B window; (assignment, slot)
@@ -330,7 +331,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             lifted = singles_first(placements, time_of, request.pp_size - 1)
             if lifted is not None:
                 candidates.append(((position, 3), name + "+singles-first", lifted, grown, units_of))
-        floors = alone_floors([(c[2], c[4]) for c in candidates], ctx, request.pp_size)
+        floors = alone_floors([(c[2], unit_of[id(c[4])]) for c in candidates], ctx, request.pp_size)
         for floor, (slot, name, placements, grown, _) in sorted(zip(floors, candidates), key=lambda c: (c[0], c[1][0])):
             # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
             # plan and full estimate (the margin covers rounding between the two time sums)

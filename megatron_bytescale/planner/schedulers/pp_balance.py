@@ -265,7 +265,7 @@ def _place_runs(singles: list[Unit], pipeline_load: PipelineLoad, *, delta: floa
         max_t = max(load) if pipelines is None else max(load[:pipelines])
         threshold = max_t - delta * max_t
         targets = [r for r in ranks if load[r] < threshold] or list(ranks)
-        targets.sort(key=lambda r: (load[r], r))
+        targets.sort(key=load.__getitem__)  # by load; a stable sort keeps ties by rank
         for r in targets:
             if k == total:
                 break
@@ -438,8 +438,9 @@ def local_indices(placements: Sequence[Placement]) -> list[int] | None:
     candidate, thousands of placements each."""
     if not placements:
         return []
-    size = np.fromiter((len(p.ring) for p in placements), dtype=np.int64, count=len(placements))
-    members = np.fromiter(chain.from_iterable(p.ring for p in placements), dtype=np.int64, count=int(size.sum()))
+    rings = [p.ring for p in placements]
+    size = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))
+    members = np.fromiter(chain.from_iterable(rings), dtype=np.int64, count=int(size.sum()))
     order = np.argsort(members, kind="stable")  # by pipeline, list order kept within one
     ranked = members[order]
     local = np.empty(len(members), dtype=np.int64)

@@ -12,7 +12,7 @@ floor is already slower than the best step found. Two floors, from the cheaper t
 from __future__ import annotations
 
 from itertools import chain
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -21,7 +21,17 @@ from ..wavefront import pipelines_alone_flat
 from ._common import Placement
 
 
-def order_free_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
+Units = Sequence[Unit] | Mapping[tuple[int, ...], Unit]
+"""A candidate's units: the list, or :func:`units_by_seqs` of it (a caller that asks for several
+candidates of one list builds that once; a list holds thousands of units)."""
+
+
+def units_by_seqs(units: Units) -> Mapping[tuple[int, ...], Unit]:
+    """Each unit by its ``seqs``; a mapping comes back as it is."""
+    return units if isinstance(units, Mapping) else {u.seqs: u for u in units}
+
+
+def order_free_floor(placements: Sequence[Placement], units: Units, ctx: ShardingContext,
                      pp_size: int) -> float:
     """A lower bound on the 1F1B step of every order of ``placements``: the slowest pipeline's
     stage work plus the idle its longest micro-batch ``t_1`` leaves on stage 0 whatever the
@@ -37,14 +47,18 @@ def order_free_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx
     n = ctx.hdp_size
     if not placements:
         return 0.0
-    by_seqs = {u.seqs: u for u in units}
+    by_seqs = units_by_seqs(units)
+    placed = ctx.placed_time
     seconds = []
+    rings = []
     for p in placements:
         u = by_seqs[p.seqs]
+        ring = p.ring
+        rings.append(ring)
         # a single-rank unit on its own rank runs at the time it was costed with
-        seconds.append(u.time if len(p.ring) == 1 == u.ring_size else ctx.placed_time(u, p.ring))
-    size = np.fromiter((len(p.ring) for p in placements), dtype=np.int64, count=len(placements))
-    rank = np.fromiter(chain.from_iterable(p.ring for p in placements), dtype=np.int64, count=int(size.sum()))
+        seconds.append(u.time if len(ring) == 1 == u.ring_size else placed(u, ring))
+    size = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))
+    rank = np.fromiter(chain.from_iterable(rings), dtype=np.int64, count=int(size.sum()))
     t = np.repeat(np.asarray(seconds, dtype=float), size)
     work = np.bincount(rank, weights=t, minlength=n)
     w = pp_size - 1
@@ -64,7 +78,7 @@ def order_free_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx
     return float((work + idle).max())
 
 
-def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: ShardingContext,
+def alone_floor(placements: Sequence[Placement], units: Units, ctx: ShardingContext,
                 pp_size: int) -> float:
     """A lower bound on the 1F1B step of ``placements``, at least :func:`order_free_floor`: the
     slowest pipeline's 1F1B run alone (:func:`..wavefront.pipelines_alone`), its rings waiting
@@ -74,7 +88,7 @@ def alone_floor(placements: Sequence[Placement], units: Sequence[Unit], ctx: Sha
     return alone_floors([(placements, units)], ctx, pp_size)[0]
 
 
-def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]], ctx: ShardingContext,
+def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Units]], ctx: ShardingContext,
                  pp_size: int) -> list[float]:
     """:func:`alone_floor` of every ``(placements, units)`` candidate, in one wavefront run over
     all their pipelines side by side (pipelines run alone do not interact, so each candidate's
@@ -98,7 +112,7 @@ def alone_floors(candidates: Sequence[tuple[Sequence[Placement], Sequence[Unit]]
             continue
         except KeyError:
             pass
-        by_seqs = {u.seqs: u for u in units}
+        by_seqs = units_by_seqs(units)
         for p in placements:
             if id(p) not in row:
                 u = by_seqs[p.seqs]
