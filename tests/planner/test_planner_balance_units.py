@@ -42,6 +42,42 @@ def test_widening_takes_the_smallest_ring_under_the_lower_bound():
     assert grown == 1 and widened[0].ring_size == 8
 
 
+def test_widening_bisects_between_grid_points_as_one_call_per_size_would():
+    """``_smallest_ring_under`` refines the first grid size that meets the aim by bisection
+    against the grid point before it, reading the sizes in between from one vectorised call.
+    The bisection done with one cost-model call per size must end on the same ring, for rings
+    that land strictly between grid points (lengths and targets spread over the falling part of
+    the time curve, LLaMA-7B on 512 ranks, zigzag padding with align 8)."""
+    import numpy as np
+
+    from megatron_bytescale.planner.schedulers.widen import _ring_grid, _smallest_ring_under
+
+    from megatron_bytescale.planner.presets import preset_cost_model
+
+    c = ShardingContext(capacity=8_192, cost_model=preset_cost_model("llama-7b"), layers=32, hdp_size=512,
+                        align=8, offload=False)
+    between = 0
+    for length in (40_000, 131_071, 333_333, 1_000_003):
+        d0 = -(-length // 8_192)
+        u = Unit(seqs=(0,), lengths=(length,), ring_size=d0, min_ring_size=d0, time=c.unit_time((length,), d0, 0.0))
+        grid = _ring_grid(d0, 512)
+        times = c.time_on_rings(u.lengths, grid)
+        for target in np.geomspace(float(times.min()), float(times[0]), 25).tolist():
+            aim = max(target, float(times.min()) * 1.02)
+            k = int(np.flatnonzero(times[: int(np.argmin(times)) + 1] <= aim)[0])
+            lo, hi = int(grid[k - 1]) if k else d0, int(grid[k])
+            while hi - lo > 1:  # the bisection, one call per size
+                mid = (lo + hi) // 2
+                if c.time_on_rings(u.lengths, np.array([mid]))[0] <= aim:
+                    hi = mid
+                else:
+                    lo = mid
+            got = _smallest_ring_under(u, target, c, grid, times)
+            assert got.ring_size == (hi if grid[int(np.argmin(times))] != d0 else d0), (length, target)
+            between += hi not in grid.tolist()
+    assert between > 20
+
+
 def test_a_sequence_of_exactly_capacity_is_long_and_a_shorter_one_a_pack():
     # 1,000 tokens = C on one rank: 1.0 s; four packs of 250: LB = 2 / 8 = 0.25 s. 4 ranks give
     # 1000 / 4 = 0.25 s (3 ranks: 1002 / 3 = 0.334 s).
@@ -212,8 +248,9 @@ def test_the_fill_is_dropped_once_a_rank_reaches_the_best_step_and_not_before():
                                      dict(ring_straggler_s=2e-6, ring_straggler_link_ratio=0.05, per_document_s=1e-6)])
 def test_many_one_sequence_units_timed_at_once_as_each_alone(changes):
     """``time_on_rings_each`` (widening times every unit's ring grid in one call) gives each unit
-    the floats of its own ``time_on_rings`` call: padded parts, intra- and inter-node sizes,
-    two-level rings, the terms with a square root and a logarithm."""
+    the floats of its own ``time_on_rings`` call, and that call each size the float of a call for
+    it alone: padded parts, intra- and inter-node sizes, two-level rings, the terms with a square
+    root and a logarithm."""
     import numpy as np
 
     ctx = ShardingContext(capacity=2_048, cost_model=small_cost_model(**changes), layers=8, hdp_size=64, align=8)
@@ -224,4 +261,7 @@ def test_many_one_sequence_units_timed_at_once_as_each_alone(changes):
     assert len(together) == len(lengths)
     for s, g, t in zip(lengths, grids, together):
         assert np.array_equal(t, ctx.time_on_rings([s], g))
+        # and each size alone (widening's bisection reads the sizes between two grid points
+        # from one call)
+        assert [ctx.time_on_rings([s], np.array([d]))[0] for d in g.tolist()] == t.tolist()
     assert ctx.time_on_rings_each([], []) == []

@@ -68,12 +68,17 @@ def _smallest_ring_under(u: Unit, target: float, ctx: ShardingContext, grid: np.
     aim = max(target, float(times[best]) * 1.02)
     k = int(np.flatnonzero(times[: best + 1] <= aim)[0])
     lo, hi = int(grid[k - 1]) if k else u.ring_size, int(grid[k])
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ctx.time_on_rings(u.lengths, np.array([mid]))[0] <= aim:
-            hi = mid
-        else:
-            lo = mid
+    if hi - lo > 1:
+        # every size the bisection may ask, timed in one call (the cost model is elementwise:
+        # each the float a call of its own gives)
+        first = lo + 1
+        between = ctx.time_on_rings(u.lengths, np.arange(first, hi))
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if between[mid - first] <= aim:
+                hi = mid
+            else:
+                lo = mid
     return ctx.resize(u, hi) if hi != u.ring_size else u
 
 
