@@ -391,8 +391,15 @@ class FreeRanks:
     def __init__(self, free: Sequence[int], topology: Topology) -> None:
         self.topology = topology
         self.by_node: dict[int, list[int]] = {}
-        for r in free:
-            self.by_node.setdefault(topology.node(r), []).append(int(r))
+        by_node = self.by_node
+        if topology.node_of is None:  # Topology.node without a call per rank
+            g = topology.ranks_per_node
+            for r in map(int, free):
+                by_node.setdefault(r // g, []).append(r)
+        else:
+            node_of = topology.node_of
+            for r in map(int, free):
+                by_node.setdefault(node_of[r], []).append(r)
         self.count = len(free)
         self._g = topology.ranks_per_node
         self._buckets: list[list[int]] = [[] for _ in range(self._g + 1)]

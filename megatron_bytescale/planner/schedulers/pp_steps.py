@@ -34,7 +34,7 @@ import numpy as np
 
 from ..sharding import ShardingContext, Unit
 from ..topology import Topology
-from ._common import Placement, unit_sort_key
+from ._common import Placement, placement, unit_sort_key
 from .naive import place_ring_step
 
 
@@ -53,7 +53,7 @@ def level_steps(units: Sequence[Unit], ctx: ShardingContext, n: int,
     out = list(head)
     for u in rest:  # already longest first
         t, r = heapq.heappop(heap)
-        out.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+        out.append(placement((r,), u.seqs, u.offload_ratio))
         heapq.heappush(heap, (t + u.time, r))
     return out
 
@@ -75,6 +75,6 @@ def _ring_phase(units: Sequence[Unit], topology: Topology, n: int) -> tuple[list
             if not singles:
                 break
             u = singles.popleft()
-            placements.append(Placement(ring=(r,), seqs=u.seqs, offload_ratio=u.offload_ratio))
+            placements.append(placement((r,), u.seqs, u.offload_ratio))
             counts[r] += 1
     return placements, list(singles)
