@@ -50,6 +50,10 @@ def test_with_nothing_short_enough_a_pipeline_lifts_its_shortest():
     rows = [((0, 1), 9.0), ((0,), 6.0), ((0,), 5.0), ((1,), 1.0), ((1,), 0.5)]
     placements, units = _case(rows)
     assert lists_by_rank(singles_first(placements, units, 2)) == {0: [2, 1, 0], 1: [4, 3, 0]}
+    # with one more, longer, single on pipeline 0 it is the one left after the ring: the
+    # shortest are lifted, not the longest
+    placements, units = _case(rows + [((0,), 7.0)])
+    assert lists_by_rank(singles_first(placements, units, 2)) == {0: [2, 1, 0, 5], 1: [4, 3, 0]}
 
 
 def test_it_gives_up_without_a_ring_a_single_after_it_or_a_lead():

@@ -309,8 +309,10 @@ def last_rings(placements: Sequence[Placement]) -> dict[int, int]:
     before a pipeline's first ring without changing a ring's local index comes after it."""
     last: dict[int, int] = {}
     for k, p in enumerate(placements):
-        if len(p.ring) > 1:
-            last.update(dict.fromkeys(p.ring, k))
+        ring = p.ring
+        if len(ring) > 1:
+            for r in ring:
+                last[r] = k
     return last
 
 
@@ -373,27 +375,29 @@ def singles_first(placements: Sequence[Placement], units: Sequence[Unit] | Mappi
     if not last_ring:
         return None
     time_of = unit_times(units)
+    # per pipeline of a ring, its singles after its last ring as (-time, position): sorted, the
+    # longest first and ties in list order
     after: dict[int, list[tuple[float, int]]] = {r: [] for r in last_ring}
     end = len(placements)
     for k, p in enumerate(placements):
         ring = p.ring
         if len(ring) == 1 and k > last_ring.get(ring[0], end):
-            after[ring[0]].append((time_of[p.seqs], k))
+            after[ring[0]].append((-time_of[p.seqs], k))
     lead = min(lead, min(map(len, after.values())))
     if lead < 1:
         return None
+    pools = [sorted(singles) for singles in after.values()]
     # the common target: every pipeline's j-th lifted single at most what the pipeline with the
     # fewest long singles can lift, so that the ring's members reach it together
-    tops = [sorted((t for t, _ in singles), reverse=True)[:lead] for singles in after.values()]
-    caps = [min(top[j] for top in tops) for j in range(lead)]
+    caps = [min(-pool[j][0] for pool in pools) for j in range(lead)]
     moved = []
-    for singles in after.values():
-        pool = sorted(singles, key=lambda x: (-x[0], x[1]))
+    for pool in pools:
         chosen = []
         for cap in caps:
-            pick = next((x for x in pool if x[0] <= cap * (1 + 1e-9)), pool[-1])
-            pool.remove(pick)
-            chosen.append(pick)
+            # its longest single of at most the cap (ties: the earlier), else its shortest
+            i = bisect.bisect_left(pool, (-(cap * (1 + 1e-9)),))
+            neg, k = pool.pop(i if i < len(pool) else -1)
+            chosen.append((-neg, k))
         moved.append(sorted(chosen))  # shortest first
     front = [k for step in zip(*moved) for _, k in step]  # position by position over pipelines
     taken = set(front)
