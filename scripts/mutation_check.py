@@ -940,12 +940,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # planner/schedulers/balance.py: the cuts of planning time (skips that never change the plan)
     ("*.balance.x__best_pp_plan__*", r"(seconds, stop_above\) if quick else None|ctx\.cost_model, seconds,)  ->  ",
      _SPEED),
-    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)\]",
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], (c\[3\]|unit_of\[id\(c\[3\]\)\]), ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)\]",
      _SPEED),
-    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*\) < best\[0\] \* \(1 \+ 1e-9\)\]",
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], (c\[3\]|unit_of\[id\(c\[3\]\)\]), ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*\) < best\[0\] \* \(1 \+ 1e-9\)\]",
      "a family whose order-free floor equals the best step can at most tie it, and a tie goes to "
      "the earlier candidate, the best"),
-    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], c\[3\], ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))\]",
+    ("*.balance.x__best_pp_plan__*", r"order_free_floor\(c\[1\], (c\[3\]|unit_of\[id\(c\[3\]\)\]), ctx, request\.pp_size\) <= best\[0\] \* \(1 \+ 1e-9\)\]  ->  .*<= best\[0\] (/ \(1 \+ 1e-9\)|\* \(1 - 1e-9\))\]",
      TOLERANCE),
     ("*.balance.x__best_pp_plan__*", r"if request\.pp_size > 1:  ->  if request\.pp_size >= 1:",
      "at PP 1 the window load's window is 0, which is the plain runs' load: a second copy of "
@@ -976,7 +976,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "with nothing widened the unwidened list is the widened one: its level steps are a copy of "
      "an earlier candidate that can only tie and loses the tie; otherwise a hopeless list is built "
      "anyway (speed only)"),
-    ("*.balance.x__best_pp_plan__*", r"(timed\[id\(placements\)\] = step|if id\(placements\) not in timed:|order_free_floor\(c\[1\], c\[3\]).*  ->  .*(id\(None\)|order_free_floor\(None,)",
+    ("*.balance.x__best_pp_plan__*", r"(timed\[id\(placements\)\] = step|if id\(placements\) not in timed:|order_free_floor\(c\[1\], (c\[3\]|unit_of\[id\(c\[3\]\)\])).*  ->  .*(id\(None\)|order_free_floor\(None,)",
      _SPEED),
     ("*.balance.x__best_pp_plan__*", r"limit = best\[0\] \* \(1 \+ 1e-9\)  ->  limit = best\[0\] \* \((2 \+ 1e-9|1 \+ 1\.000000001)\)",
      _SPEED),
@@ -1034,6 +1034,41 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*pipeline_floor.x_assignment_floor__*", r"^break  ->  continue$",
      "n1 grows with i: once above the pipelines it stays above, so every later iteration stops "
      "at the same test"),
+    # the twelfth round's cuts of planning time
+    ("*widen.x__smallest_ring_under__*", r"^if hi - lo > 1:  ->  if hi (\+ lo > 1|- lo >= 1):$",
+     "the guard only skips a call with no size between lo and hi: there arange(lo + 1, hi) is "
+     "empty and the loop does not run"),
+    ("*widen.x__smallest_ring_under__*", r"^first = lo \+ 1  ->  first = lo - 1$",
+     "a lower first only times two sizes more: the loop reads time(mid) at mid - first whatever "
+     "first is"),
+    ("*widen.x__smallest_ring_under__*", r"between\[mid - first\] <= aim:  ->  .*between\[mid - first\] < aim:",
+     "a ring time equal to the aim to the last bit"),
+    ("*pp_balance.x__place_rings_aligned__*", r"^(known = searched\.get\(c\)  ->  known = None|searched\[c\] = \(changed\[c\], d, start, members, extra, front\)  ->  searched\[c\] = None)$",
+     "speed only: without the kept choice every group searches again and finds the same "
+     "(test_planner_pp_balance.py::test_ring_placement_equals_the_search_of_every_count_group)"),
+    ("*wavefront.x__count_bands__*", r'side="left"\)\).*  ->  .*-\(ranked\[i\] // 2\), \)\)',
+     "side='left' is searchsorted's default"),
+    ("*wavefront.x__count_bands__*", r"-\(ranked\[i\] // 2\).*  ->  .*-\(ranked\[i\] / 2\)",
+     "counts are integers: a count is at most c / 2 exactly when it is at most c // 2"),
+    ("*wavefront.x__count_bands__*", r'^order = np\.argsort\(-counts, kind="stable"\)  ->  order = np\.argsort\(-counts, (kind=None)?\)$',
+     "equal counts fall in one band either way; the rows of a band run alone (no ring), and each "
+     "pipeline's finish is written back by its index"),
+    ("*wavefront.x_pipelines_alone_flat__*", r"^counts = np\.bincount\(pipeline, minlength=n\)  ->  counts = np\.bincount\(pipeline, \)$",
+     "the pipelines after the last with micro-batches have none: they are in no band and their "
+     "finish stays 0"),
+    ("*wavefront.x_pipelines_alone_flat__*", r"^(band_of = np\.empty\(n|grid = np\.full\(\(len\(members\), int\(counts\[members\]\.max\(\)\)\), pad), dtype=np\.int64\)  ->  .*(dtype=None)?\)$",
+     "band numbers and order indices are compared and used as indices exactly in float64 too, "
+     "and np.full makes an int64 grid from the int pad"),
+    ("*wavefront.x_pipelines_alone_flat__*", r"np\.append\(t\[mine\], 0\.0\).*  ->  .*np\.append\(t\[mine\], 1\.0\)",
+     "the pad slot, past every list's end, is never live: no op reads its weight"),
+    ("*pp_floors.x_*", r"(times|seconds)\.append\(u\.time if len\(ring\) == 1 == u\.ring_size else.*  ->  .*(\) and False else|len\(ring\) != 1 == u\.ring_size|len\(ring\) == 1 != u\.ring_size)",
+     "these take placed_time where the shortcut took u.time, and placed_time returns u.time itself "
+     "for a single-rank unit on one rank (the same float)"),
+    ("*candidate_time.x_time_key__*", r"two_level_group\(ring\) if two_level else 1\)  ->  .*(if \(two_level\) or True else 1|if two_level else 2)\)",
+     "with a flat cost model a ring's seconds do not depend on its node group: a key holding it, or "
+     "another constant in its place, only keeps apart what could be shared"),
+    ("*candidate_time.x_time_key__*", r"^return p\.seqs, p\.offload_ratio, 1, True, 1  ->  return p\.seqs, p\.offload_ratio, 1, (False, 1|True, 2)$",
+     "a single's key has size 1 and no ring's has: its other fields never meet a ring's key"),
 ]
 
 # Survivors of a run that a test added after it kills (each planted by hand: the test fails):
@@ -1045,6 +1080,12 @@ _LENGTHS = "tests/planner/test_lengths_reader_limits.py"
 _PLAN_JSON = "tests/planner/test_plan_json_fields.py"
 _CHOICE = "tests/planner/test_balance_candidate_choice.py::"
 KILLED_SINCE: list[tuple[str, str, str]] = [
+    ("*candidate_time.x_finish_times__*", r"^(two_level = cost_model\.two_level_ring  ->  two_level = None|keys = \[time_key\(p, topo, two_level\) for p in placements\]  ->  keys = \[time_key\(p, topo, (None)?\) for p in placements\])$",
+     "tests/planner/test_candidate_time.py::test_two_level_rings_of_one_size_across_nodes_in_other_node_groups_are_costed_apart"),
+    ("*candidate_time.x_time_key__*", r"two_level_group\(ring\) if two_level else 1\)  ->  .*if \(two_level\) and False else 1\)",
+     "tests/planner/test_candidate_time.py::test_two_level_rings_of_one_size_across_nodes_in_other_node_groups_are_costed_apart"),
+    ("*candidate_time.x_time_key__*", r"^return p\.seqs, p\.offload_ratio, 1, True, 1  ->  return p\.seqs, p\.offload_ratio, 2, True, 1$",
+     "tests/planner/test_candidate_time.py::test_a_unit_alone_and_the_same_unit_on_a_ring_inside_a_node_are_kept_apart"),
     ("*.balance.x__best_pp_plan__*", r"if request\.pp_size > 1:  ->  if request\.pp_size > 2:",
      "tests/planner/test_planner_pp_balance.py::test_pp_balance_keeps_the_fastest_candidate"),
     ("*.balance.x__best_pp_plan__*", r"window=request\.pp_size - 1, \*\*kw\), widened, units\)\)  ->  .*window=request\.pp_size (\+ 1|- 2),",

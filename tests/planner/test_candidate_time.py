@@ -219,3 +219,39 @@ def test_candidates_with_expert_groups_are_never_timed_without_their_plan(pp, mo
     plan = make_plan(lengths, scheduler="balance", hdp_size=8, capacity=2_048, cost_model=small_cost_model(),
                      ep_size=2, pp_size=pp, offload=False, context_length=16_384)
     assert plan.meta["mode"] == "PP-Balance" and plan.estimate is not None
+
+
+def test_a_unit_alone_and_the_same_unit_on_a_ring_inside_a_node_are_kept_apart():
+    """A widened list can put a sequence on a ring of 2 inside a node that the unwidened list
+    runs alone, and both lists' candidates share one cache of stage times."""
+    from megatron_bytescale.planner.schedulers._common import Placement
+
+    topo = Topology(ranks_per_node=4)
+    alone, ring = Placement(ring=(3,), seqs=(7,)), Placement(ring=(0, 1), seqs=(7,))
+    assert time_key(alone, topo) != time_key(ring, topo)
+    assert time_key(alone, topo, True) != time_key(ring, topo, True)
+
+
+def test_two_level_rings_of_one_size_across_nodes_in_other_node_groups_are_costed_apart():
+    """With two-level rings a ring's time depends on its members per node: 4 ranks as 2 x 2
+    (two-level) or as 3 + 1 (flat), both across nodes. Timed one after the other with one cache,
+    each candidate gets its own plan's estimate."""
+    from megatron_bytescale.planner.schedulers._common import Placement, build_request
+
+    cm = small_cost_model(two_level_ring=True)
+    request = build_request([5_000, 400, 600], scheduler="balance", hdp_size=12, capacity=2_048, pp_size=2,
+                            cost_model=cm, offload=False, overlong="error", context_length=None, align=1,
+                            delta=0.05, num_buckets=4)
+    topo = Topology(ranks_per_node=4)
+    singles = [Placement(ring=(8,), seqs=(1,)), Placement(ring=(9,), seqs=(2,))]
+    two_by_two = [Placement(ring=(0, 1, 4, 5), seqs=(0,))] + singles
+    three_and_one = [Placement(ring=(0, 1, 2, 4), seqs=(0,))] + singles
+    assert topo.two_level_group(two_by_two[0].ring) == 2 and topo.two_level_group(three_and_one[0].ring) == 1
+    seconds: dict = {}
+    got = []
+    for placements in (two_by_two, three_and_one):
+        plan = emit_plan(replace(request, pieces=False), placements, scheduler="balance")
+        want = np.asarray(estimate_plan(plan, cm).rank_time_s)
+        got.append(finish_times(request, placements, cm, seconds))
+        assert np.array_equal(got[-1], want)
+    assert got[0][0] != got[1][0]  # the two rings take different times
