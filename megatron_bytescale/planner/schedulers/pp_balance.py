@@ -173,7 +173,6 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
     # group's d-th smallest load is entry d - 1 and its d least-loaded ranks (ties by rank) the
     # first d. Only ring members change load here, and each moves one group up.
     groups: dict[int, list[tuple[float, int]]] = {0: sorted(zip(load, range(n if ranks is None else ranks)))}
-    count = [0] * n
     # a group's choice for a ring size depends only on its list: kept per group with the ring
     # placement that last changed the group, it is reused while the group stays as it was (rings
     # of one size come one after another, and each changes only two groups)
@@ -230,7 +229,6 @@ def _place_rings_aligned(rings: list[Unit], ctx: ShardingContext, placer: RingPl
                 load[r] += t + fd * (x if x > 0.0 else 0.0)
                 if x > 0.0:
                     longest[r] = t
-            count[r] = c + 1
             moved.append((load[r], r))
         up = groups.get(c + 1)
         if up is None:
