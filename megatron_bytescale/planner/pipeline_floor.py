@@ -82,6 +82,7 @@ import numpy as np
 from .cost_model import CostModel
 from .plan import StepPlan
 from .topology import Topology
+from .wavefront_interleaved import simulate_interleaved
 
 SPLIT_COSTINGS = ("ideal", "cached", "ring")
 
@@ -193,6 +194,21 @@ def simulate_schedule(lists: Sequence[Sequence[int]], seconds: Mapping[int, floa
     """
     if pp < 1 or vpp < 1:
         raise ValueError(f"pp ({pp}) and vpp ({vpp}) must be >= 1")
+    if vpp > 1 and not own_tables and not record and chunk_groups is None:
+        # the same floats in one numpy step per key; None when a unit sits at two local indices
+        finish = simulate_interleaved(lists, seconds, pp=pp, vpp=vpp, forward_fraction=forward_fraction)
+        if finish is not None:
+            return ScheduleResult(rank_finish_s=finish)
+    return walk_schedule(lists, seconds, pp=pp, vpp=vpp, forward_fraction=forward_fraction,
+                         chunk_groups=chunk_groups, own_tables=own_tables, record=record)
+
+
+def walk_schedule(lists: Sequence[Sequence[int]], seconds: Mapping[int, float], *, pp: int, vpp: int = 1,
+                  forward_fraction: float = 1.0 / 3.0, chunk_groups: Mapping[int, int] | None = None,
+                  own_tables: bool = False, record: bool = False) -> ScheduleResult | None:
+    """:func:`simulate_schedule` as a dependency graph walked node by node (Kahn's algorithm):
+    what the interleaved wavefronts (:mod:`.wavefront_interleaved`) are checked against, and the
+    way for recorded node times, Megatron's own tables, split chunks and misaligned rings."""
     units = sorted({u for ul in lists for u in ul})
     index = {u: k for k, u in enumerate(units)}
     per = 2 * vpp * pp  # nodes per unit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner.cost_model import CostModel
@@ -75,3 +77,29 @@ def nothing_skipped(patch) -> None:
     patch.setattr(balance_mod, "candidate_finish_times",
                   lambda request, placements, cost_model, seconds=None, stop_above=None:
                   real(request, placements, cost_model, seconds))
+
+
+def random_pipeline_lists(rng: random.Random) -> tuple[list[list[int]], dict[int, float], int]:
+    """Pipelines with single micro-batches and rings at one local index on all members (a ring's
+    members are first padded with singles to the same count), durations of mixed scales and
+    zeros, orders ascending on every pipeline."""
+    n, pp = rng.randint(1, 7), rng.randint(1, 6)
+    lists: list[list[int]] = [[] for _ in range(n)]
+    dur: dict[int, float] = {}
+    order = 0
+    for _ in range(rng.randint(0, 14)):
+        if n > 1 and rng.random() < 0.35:
+            members = rng.sample(range(n), rng.randint(2, n))
+            depth = max(len(lists[r]) for r in members)
+            for r in members:
+                while len(lists[r]) < depth:
+                    lists[r].append(order)
+                    dur[order] = rng.choice([0.0, rng.random()])
+                    order += 1
+            for r in members:
+                lists[r].append(order)
+        else:
+            lists[rng.randrange(n)].append(order)
+        dur[order] = rng.random() * rng.choice([1.0, 1e-3, 100.0])
+        order += 1
+    return lists, dur, pp

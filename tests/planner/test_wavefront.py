@@ -11,32 +11,7 @@ import pytest
 from megatron_bytescale.planner import wavefront
 from megatron_bytescale.planner.order import _simulate_pipelines
 from megatron_bytescale.planner.wavefront import pipelines_alone, simulate_wavefront
-
-
-def _random_lists(rng: random.Random) -> tuple[list[list[int]], dict[int, float], int]:
-    """Pipelines with single micro-batches and rings at one local index on all members (a ring's
-    members are first padded with singles to the same count), durations of mixed scales and
-    zeros, orders ascending on every pipeline."""
-    n, pp = rng.randint(1, 7), rng.randint(1, 6)
-    lists: list[list[int]] = [[] for _ in range(n)]
-    dur: dict[int, float] = {}
-    order = 0
-    for _ in range(rng.randint(0, 14)):
-        if n > 1 and rng.random() < 0.35:
-            members = rng.sample(range(n), rng.randint(2, n))
-            depth = max(len(lists[r]) for r in members)
-            for r in members:
-                while len(lists[r]) < depth:
-                    lists[r].append(order)
-                    dur[order] = rng.choice([0.0, rng.random()])
-                    order += 1
-            for r in members:
-                lists[r].append(order)
-        else:
-            lists[rng.randrange(n)].append(order)
-        dur[order] = rng.random() * rng.choice([1.0, 1e-3, 100.0])
-        order += 1
-    return lists, dur, pp
+from planner_cases import random_pipeline_lists
 
 
 @pytest.mark.parametrize("tail_ops", [None, 0, 10**9])
@@ -49,7 +24,7 @@ def test_the_same_floats_as_the_graph_walk(seed, tail_ops, monkeypatch):
     rng = random.Random(seed)
     rings = 0
     for _ in range(500):
-        lists, dur, pp = _random_lists(rng)
+        lists, dur, pp = random_pipeline_lists(rng)
         ff = rng.choice([1 / 3, 0.25, 0.5])
         got = simulate_wavefront(lists, dur, pp, ff)
         want = _simulate_pipelines(lists, dur, pp, ff, len(lists), False).rank_finish_s
@@ -74,7 +49,7 @@ def test_a_pipeline_alone_finishes_no_later_and_without_rings_the_same(seed):
     rng = random.Random(100 + seed)
     below = 0
     for _ in range(400):
-        lists, dur, pp = _random_lists(rng)
+        lists, dur, pp = random_pipeline_lists(rng)
         alone = pipelines_alone([[dur[o] for o in ol] for ol in lists], pp, 1 / 3)
         full = simulate_wavefront(lists, dur, pp, 1 / 3)
         assert np.all(alone <= full)
