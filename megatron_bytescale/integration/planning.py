@@ -74,7 +74,7 @@ def make_step_planner(
         check_virtual_pipeline(vpp_size, pp_size, cost_model.layers_per_stage(pp_size))
 
     def plan(lengths: list[int]) -> StepPlan:
-        made = make_plan(
+        return make_plan(
             lengths,
             scheduler=chosen,
             hdp_size=hdp_size,
@@ -88,12 +88,8 @@ def make_step_planner(
             context_length=config.context_length,
             topology=topology,
             seq_split=config.seq_split,
+            virtual_pipeline_size=vpp_size,
         )
-        if vpp_size == 1:
-            return made
-        from megatron_bytescale.planner.estimate import with_virtual_pipeline
-
-        return with_virtual_pipeline(made, vpp_size, cost_model, topology)
 
     return plan
 

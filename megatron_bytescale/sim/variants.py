@@ -26,11 +26,10 @@ modelled planning time :attr:`.StepOverheads.plan_s` (0 by default), hidden by l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from ..planner.cost_model import CostModel
-from ..planner.plan import check_virtual_pipeline
 from ..planner.schedulers import check_seq_split, make_plan
 from ..planner.topology import Topology
 from .overheads import StepOverheads
@@ -145,11 +144,8 @@ def plan_for(lengths: Any, variant: Variant, setup: ClusterSetup, *, context_len
         overlong=setup.overlong, align=setup.align, context_length=context_length,
         delta=setup.delta, num_buckets=setup.num_buckets, estimate=False, pieces=False,
         topology=setup.topology, seq_split=setup.seq_split and variant.scheduler == "balance",
-        ep_size=setup.ep_size,
+        ep_size=setup.ep_size, virtual_pipeline_size=setup.virtual_pipeline_size,
     )
-    if setup.virtual_pipeline_size != 1:
-        check_virtual_pipeline(setup.virtual_pipeline_size, plan.pp_size, plan.layers_per_stage)
-        plan = replace(plan, virtual_pipeline_size=setup.virtual_pipeline_size)
     return plan, time.perf_counter() - start
 
 

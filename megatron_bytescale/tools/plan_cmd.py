@@ -200,7 +200,6 @@ def _megatron_hybrid_cp_row(args: argparse.Namespace, lengths: Any, cost_model: 
 
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
-    from ..planner.estimate import with_virtual_pipeline
     from ..planner.plan import check_virtual_pipeline
     from ..planner.schedulers import check_seq_split, make_plan
 
@@ -233,10 +232,8 @@ def run(args: argparse.Namespace) -> int:
                 cost_model=cost_model, pp_size=pp_size, offload=args.offload, overlong=args.overlong,
                 align=args.align, context_length=context, delta=args.delta, num_buckets=args.num_buckets,
                 topology=topology, seq_split=args.seq_split and name == "balance",
-                ep_size=ep,
+                ep_size=ep, virtual_pipeline_size=args.vpp_size,
             )
-            if args.vpp_size != 1:
-                plan = with_virtual_pipeline(plan, args.vpp_size, cost_model, topology)
         except ValueError as exc:
             if not args.compare or name == args.scheduler:
                 raise

@@ -61,6 +61,7 @@ def make_plan(
     ep_size: int = 1,
     seq_split: bool = False,
     even_expert_slots: bool = True,
+    virtual_pipeline_size: int = 1,
 ) -> StepPlan:
     """Plan one global batch of sequences with ``lengths`` over ``hdp_size`` HDP ranks.
 
@@ -102,6 +103,14 @@ def make_plan(
             micro-batches by time into its non-ring slots where the estimate says the expert
             groups then wait less (:mod:`.ep_slots`); False keeps PP-Balance's order (to
             measure what sorting gains).
+        virtual_pipeline_size: model chunks per pipeline stage when training runs Megatron's
+            interleaved 1F1B (``--virtual-pipeline-model-parallel-size``); 1 for plain 1F1B. The
+            plan carries it and its estimate times that schedule. ``balance`` ranks its
+            candidates by plain 1F1B as always, then times every one within
+            :data:`.pp_vpp.INTERLEAVED_SLACK` of the fastest interleaved and keeps the fastest
+            (``meta["interleaved_timed"]``, ``meta["interleaved_rank"]``): its reorderings fill
+            the 1F1B window, which virtual stages shrink. Needs ``pp_size`` > 1 and a divisor
+            of the layers per stage.
 
     Returns:
         A :class:`StepPlan` whose invariants hold (``validate()`` passes), with ``meta`` naming the
@@ -117,6 +126,7 @@ def make_plan(
         offload=offload, overlong=overlong, align=align, context_length=context_length,
         delta=delta, num_buckets=num_buckets, topology=topology, pieces=pieces, ep_size=ep_size,
         seq_split=seq_split, scheduler=scheduler, even_expert_slots=even_expert_slots,
+        virtual_pipeline_size=virtual_pipeline_size,
     )
     # A plan is tens of thousands of small acyclic objects; the cyclic garbage collector would
     # rescan them (and the caller's heap) several times while they are built, for nothing.

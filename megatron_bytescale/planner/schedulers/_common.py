@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..cost_model import CostModel
-from ..plan import MAX_SEQUENCE_LENGTH, MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan
+from ..plan import (MAX_SEQUENCE_LENGTH, MicroBatch, Piece, PlanBuilder, Sequence as PlanSequence, StepPlan,
+                    check_virtual_pipeline)
 from ..sharding import ShardingContext, Unit
 from ..slots import slot_constructor
 from ..topology import Topology
@@ -58,6 +59,10 @@ class PlanRequest:
     seq_split: bool = False
     """Split PP-Balance's longest rings along the pipeline where the estimate says it pays and
     the kept prefix fits (:func:`..chunk_estimate.split_where_faster`)."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline stage of the interleaved schedule the plan will run
+    (``StepPlan.virtual_pipeline_size``): every plan is emitted with it, so its estimate times
+    that schedule, and ``balance`` picks its winner by it."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def sharding_context(self, *, offload: bool | None = None) -> ShardingContext:
@@ -139,6 +144,7 @@ def build_request(
     seq_split: bool = False,
     scheduler: str = "balance",
     even_expert_slots: bool = True,
+    virtual_pipeline_size: int = 1,
 ) -> PlanRequest:
     """Check every argument of :func:`make_plan`; raise ValueError naming the bad one.
 
@@ -173,8 +179,10 @@ def build_request(
         raise ValueError(f"even_expert_slots ({even_expert_slots!r}) must be True or False")
     if not isinstance(seq_split, bool):
         raise ValueError(f"seq_split ({seq_split!r}) must be True or False")
+    check_virtual_pipeline(virtual_pipeline_size, pp_size, layers)
     if seq_split:
-        check_seq_split(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size)
+        check_seq_split(scheduler=scheduler, pp_size=pp_size, ep_size=ep_size,
+                        virtual_pipeline_size=virtual_pipeline_size)
     if topology is not None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
@@ -187,7 +195,7 @@ def build_request(
         layers=layers, offload=bool(offload), overlong=overlong, align=align,
         context_length=context_length, delta=float(delta), num_buckets=num_buckets,
         topology=topology, pieces=bool(pieces), ep_size=ep_size, seq_split=seq_split,
-        even_expert_slots=even_expert_slots,
+        even_expert_slots=even_expert_slots, virtual_pipeline_size=int(virtual_pipeline_size),
     )
 
 
@@ -389,9 +397,12 @@ def emit_plan(
         **(meta or {}),
     }
     sequences = tuple(map(_sequence, request.ids, request.lengths))
-    return builder.build(scheduler=scheduler, pp_size=request.pp_size, ep_size=request.ep_size,
+    plan = builder.build(scheduler=scheduler, pp_size=request.pp_size, ep_size=request.ep_size,
                          layers_per_stage=request.layers,
                          sequences=sequences, meta=full_meta)
+    if request.virtual_pipeline_size != 1:
+        plan = replace(plan, virtual_pipeline_size=request.virtual_pipeline_size)
+    return plan
 
 
 def split_equal_work(units: Sequence[Unit], num_buckets: int) -> list[list[Unit]]:

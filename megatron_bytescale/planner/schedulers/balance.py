@@ -81,6 +81,11 @@ ones that only fit with offload keep Eq. 3's), and the faster plan by the estima
    winner (each 1F1B estimate costs; evening every candidate quadrupled planning CPU there for
    no gain on the Mistral presets).
 
+7. **Interleaved stages** (``virtual_pipeline_size`` v > 1). Candidates are ranked by plain 1F1B
+   as above, with the floors letting through what is within :data:`.pp_vpp.INTERLEAVED_SLACK`
+   of the best; all of those are then timed interleaved and the fastest is kept
+   (:mod:`.pp_vpp`): the reorderings fill the 1F1B window, which v virtual stages shrink.
+
 Defaults. ``delta = 0.05``: Megatron's hybrid-CP uses 5 % of the max time (paper.md §5.4); a
 smaller delta makes runs shorter, a larger one tolerates more spread before a pipeline becomes a
 target. ``num_buckets = 4``: the paper gives no value; Megatron uses one bucket per distinct CP
@@ -110,10 +115,11 @@ from .pp_balance import next_levels_first, pp_balance, short_first, singles_firs
 from .pp_floors import alone_floors, order_free_floor, units_by_seqs
 from .pp_isolate import dominant_rings, isolated_runs
 from .pp_steps import level_steps
+from .pp_vpp import INTERLEAVED_SLACK, fastest_interleaved
 from .selective import unit_options
 from .widen import widen_for_balance
 
-__all__ = ["plan_balance", "dp_balance", "pp_balance", "widen_for_balance"]
+__all__ = ["plan_balance", "dp_balance", "pp_balance", "widen_for_balance", "INTERLEAVED_SLACK"]
 
 NAME = "balance"
 
@@ -249,12 +255,18 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     the cost model it was timed with; a winner timed without its plan comes back without an
     estimate, which :func:`..make_plan` attaches (the same floats) when the caller keeps one."""
     n = request.hdp_size
+    final = request  # the winner is emitted with the plan's own request (its virtual stages)
+    vpp = request.virtual_pipeline_size
+    if vpp > 1:  # ranked by plain 1F1B; the close ones are timed interleaved at the end (step 7)
+        request = replace(request, virtual_pipeline_size=1)
+    slack = INTERLEAVED_SLACK if vpp > 1 else 1e-9  # what a floor may pass the best by and stay in
+    finalists: list[tuple[tuple, tuple, dict]] = []  # with VPP: (key, build, seconds) of each timed
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
     # (step, (unit set, (assignment, variant)), the plan if built, what builds it)
     best: tuple[float, tuple[int, tuple[int, int]], StepPlan | None, tuple] | None = None
     quick = times_without_plan(request)
     for units_floor, set_index, choice, ctx, base, units, widened, list_floors in options:
-        if best is not None and units_floor > best[0] * (1 + 1e-9):
+        if best is not None and units_floor > best[0] * (1 + slack):
             continue
         seconds: dict = {}  # placement stage times of this unit set's candidates (one cost model)
 
@@ -274,7 +286,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         # the other list are not even built when its own floor is already slower than the best
         use_units = use_base = True
         if best is not None and widened:
-            limit = best[0] * (1 + 1e-9)
+            limit = best[0] * (1 + slack)
             use_units, use_base = (f <= limit for f in list_floors)
         pool = []
         if use_units:
@@ -303,6 +315,8 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         for position, (name, placements, grown, _) in enumerate(pool):
             if id(placements) in timed:
                 key = (timed[id(placements)], (set_index, (position, 1)))
+                if vpp > 1:
+                    finalists.append((key, build(name, placements, grown), seconds))
                 if best is None or key < best[:2]:
                     best = (*key, None, build(name, placements, grown))
         # no reordering of an assignment beats its order-free floor: drop those already slower
@@ -310,7 +324,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         unit_of = {id(units): units_by_seqs(units), id(base): units_by_seqs(base)}  # built once per set
         if best is not None:
             pool = [(k, c) for k, c in enumerate(pool)
-                    if order_free_floor(c[1], unit_of[id(c[3])], ctx, request.pp_size) <= best[0] * (1 + 1e-9)]
+                    if order_free_floor(c[1], unit_of[id(c[3])], ctx, request.pp_size) <= best[0] * (1 + slack)]
         else:
             pool = list(enumerate(pool))
         # each as built and reordered to fill the longest ring's 1F1B window; (assignment, slot)
@@ -335,15 +349,18 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
         for floor, (slot, name, placements, grown, _) in sorted(zip(floors, candidates), key=lambda c: (c[0], c[1][0])):
             # a candidate whose 1F1B floor is already slower than the best cannot win: skip its
             # plan and full estimate (the margin covers rounding between the two time sums)
-            if best is not None and floor > best[0] * (1 + 1e-9):
+            if best is not None and floor > best[0] * (1 + slack):
                 continue
             index = (set_index, slot)
             # timed as its plan would be (only the winner is built), given up once it is slower
             # than the best: it then cannot win (ties go to the earlier candidate)
             finish = candidate_finish_times(request, placements, ctx.cost_model, seconds,
-                                            None if best is None else best[0]) if quick else None
+                                            None if best is None else best[0] * (1 + slack) if vpp > 1
+                                            else best[0]) if quick else None
             if finish is not None:
                 key = (float(finish.max()), index)
+                if vpp > 1:
+                    finalists.append((key, build(name, placements, grown), seconds))
                 if best is None or key < best[:2]:
                     best = (*key, None, build(name, placements, grown))
                 continue
@@ -352,8 +369,12 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
                 # cheap at PP 1, and a candidate whose groups wait may win once evened
                 plan = even_expert_slots(plan, request, ctx.cost_model, NAME)
             key = (plan.estimate.step_time_s, index)
+            if vpp > 1:
+                finalists.append((key, build(name, placements, grown), seconds))
             if best is None or key < best[:2]:
                 best = (*key, plan, build(name, placements, grown))
+    if vpp > 1:
+        return fastest_interleaved(final, finalists, best[0], scheduler=NAME)
     plan, (placements, meta, cost_model) = best[2], best[3]
     if plan is None:  # timed without a plan: build the winner; make_plan (or the two-level wrapper)
         plan = emit_plan(request, placements, scheduler=NAME, meta=meta)  # estimates it if kept

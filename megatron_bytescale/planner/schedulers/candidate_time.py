@@ -7,9 +7,10 @@ are thrown away. :func:`finish_times` reads the placements directly: orders are 
 placement order as :func:`._common.emit_plan` numbers them, each micro-batch is costed by
 :func:`..estimate.costs_of` (the code :func:`..estimate.micro_batch_costs` runs on a built plan)
 and the pipelines are timed by :func:`..wavefront.simulate_wavefront_flat` (what
-:func:`..order.simulate` runs for such a plan). So it returns the same floats as
-``estimate_plan(emit_plan(request, placements), cost_model).rank_time_s``, which the tests check
-on seeded batches.
+:func:`..order.simulate` runs for such a plan), or with virtual stages by
+:func:`..wavefront_interleaved.simulate_interleaved` (what the estimate runs for an interleaved
+plan). So it returns the same floats as ``estimate_plan(emit_plan(request, placements),
+cost_model).rank_time_s``, which the tests check on seeded batches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..cost_model import CostModel
 from ..estimate import costs_of
 from ..topology import Topology
 from ..wavefront import simulate_wavefront_flat
+from ..wavefront_interleaved import simulate_interleaved
 from ._common import Placement, PlanRequest
 
 
@@ -49,7 +51,7 @@ def time_key(p: Placement, topology: Topology, two_level: bool = False) -> tuple
 
 def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_model: CostModel,
                  seconds: dict[tuple, float] | None = None,
-                 stop_above: float | None = None) -> np.ndarray | None:
+                 stop_above: float | None = None, vpp: int = 1) -> np.ndarray | None:
     """Per HDP rank, when its pipeline finishes under the estimate, for a request where
     :func:`times_without_plan` holds; None when a ring's micro-batch is not at one local index
     on all its members (build the plan and estimate it instead).
@@ -63,7 +65,9 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     gives. Use one per cost model and request.
 
     ``stop_above``: ``inf`` for every rank as soon as the step is known to exceed it (a
-    candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`)."""
+    candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`;
+    plain 1F1B only). ``vpp`` > 1: timed with that many virtual stages per stage, as the plan
+    emitted with ``virtual_pipeline_size = vpp`` is estimated."""
     n = request.hdp_size
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
@@ -84,6 +88,13 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
             cache[keys[order]] = t
     # orders number the placements (as emit_plan numbers them); each member's list in placement order
     rings = [p.ring for p in placements]
+    if vpp > 1:
+        lists: list[list[int]] = [[] for _ in range(n)]
+        for order, ring in enumerate(rings):
+            for r in ring:
+                lists[r].append(order)
+        return simulate_interleaved(lists, dict(enumerate(times)), pp=request.pp_size, vpp=vpp,
+                                    forward_fraction=cost_model.forward_fraction)
     pipeline = np.fromiter(chain.from_iterable(rings), dtype=np.int64)
     index = np.repeat(np.arange(len(rings)), np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
     return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
