@@ -20,7 +20,7 @@ same for every schedule). The decision threshold of the sequence split is a 1.15
 speedup on any cell. Writes section ``pipeline_floor`` of docs/benchmarks.md and section
 ``seq_split_numbers`` of docs/pipeline.md; raw numbers to out/bench_pipeline_floor.json.
 
-    .venv/bin/python scripts/bench_pipeline_floor.py [--only llama-70b] [--no-write]
+    .venv/bin/python scripts/bench_pipeline_floor.py [--only llama-70b] [--no-write] [--from-json FILE]
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def tables(rows: list[dict]) -> tuple[str, str]:
         cells = []
         for c in COSTINGS:
             sp, what, phase = best(r, c)
-            cells.append(f"{fmt(phase)} ({sp:.2f}x, {what})")
+            cells.append("deadlock (every split)" if phase is None else f"{fmt(phase)} ({sp:.2f}x, {what})")
         body.append([
             r["model"], r["dataset"], format_tokens(r["context"]), fmt(r["naive_phase_s"]),
             fmt(r["naive_eq3_phase_s"]), fmt(r["phase_s"]),
@@ -153,11 +153,13 @@ def main() -> None:
     ap.add_argument("--hardware", default="paper-fit,h100",
                     help="hardware presets, comma-separated (default: paper-fit, Fig. 17's, and h100)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--from-json", type=Path,
+                    help="write the sections from the rows a run saved (out/bench_pipeline_floor.json)")
     args = ap.parse_args()
     models = args.only.split(",") if args.only else list(paper.PP_BALANCE_MODELS)
-    rows = []
+    rows = json.loads(args.from_json.read_text()) if args.from_json else []
     start = time.perf_counter()
-    for hardware in args.hardware.split(","):
+    for hardware in args.hardware.split(",") if not args.from_json else ():
         for model in models:
             for dataset in ("github", "byted"):
                 for ctx in paper.FIG17_CONTEXTS:
@@ -168,8 +170,9 @@ def main() -> None:
                     progress(f"{hardware} {model} {dataset} {format_tokens(ctx)}: 1F1B {r['phase_s']:.1f} s, VPP4 "
                              f"{fmt(r['vpp4_s'])}, best ideal/cached/ring split "
                              f"{[round(best(r, c)[0], 3) for c in COSTINGS]} ({time.perf_counter() - start:.0f} s)")
-    Path("out").mkdir(exist_ok=True)
-    Path("out/bench_pipeline_floor.json").write_text(json.dumps(rows, indent=1))
+    if not args.from_json:
+        Path("out").mkdir(exist_ok=True)
+        Path("out/bench_pipeline_floor.json").write_text(json.dumps(rows, indent=1))
     parts = []
     for hardware in args.hardware.split(","):
         table, summary = tables([r for r in rows if r["hardware"] == hardware])
@@ -190,8 +193,11 @@ def main() -> None:
         "with the fitted per-ring-step straggler wait set to 0 in both the split and the unsplit timing). Phase = micro-batch phase (slowest pipeline); the work bound is busy stage-seconds over "
         "pipelines; PP x critical = the slowest micro-batch's fastest ring crossing every stage. Step speedup "
         "= (phase + gradient reduction + optimizer) over the same with the new phase. Naive = Alg. 1 "
-        "without offload, naive + Eq. 3 = with Eq. 3's offloaded rings; balance = PP-Balance as of this "
-        "branch (the scheduler's own changes are reported with Fig. 17 in docs/reproduction.md). Decision in docs/pipeline.md.\n\n"
+        "without offload, naive + Eq. 3 = with Eq. 3's offloaded rings; balance = PP-Balance's plain 1F1B plan, timed "
+        "as it is under every schedule (planned for virtual stages, PP-Balance picks another plan: section "
+        "`pipeline-vpp-pick`); 'deadlock (every split)': every split of that plan leaves a later ring at two local "
+        "indices. The scheduler's own changes are reported with Fig. 17 in docs/reproduction.md. Decision in "
+        "docs/pipeline.md.\n\n"
     )
     write_section("pipeline_floor", intro + text)
     write_section("seq_split_numbers", text, PIPELINE_MD)

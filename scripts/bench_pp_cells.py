@@ -119,19 +119,20 @@ def section(results: dict, before: dict, before_label: str = "the older code") -
               "(`planner/schedulers/selective.py`) plans the offload-free rings too and keeps the "
               "faster plan: it removes all 7 (column 'chosen': `no-offload`), and balance with "
               "offload allowed is never slower than with it disallowed.",
-              f"- In {_fill_wins(results, before)} the winner is still Alg. 1's time-step fill of the offload-free "
-              "rings, not PP-Balance's own assignment (runs of similar micro-batches per pipeline): "
-              "PP-Balance's runs lose to the fill there by 1-33 % (LLaMA-70B Byted 512K: 21.0 s "
-              "against 15.8 s). That part of the algorithm is not fixed here; the fill candidate only "
-              "guarantees that balance is never slower.",
+              f"- {_fill_wins(results, before)} now run PP-Balance's own assignment, not Alg. 1's "
+              "time-step fill; which candidate family wins, over all cells: "
+              f"{_families(results)} (docs/pipeline.md: 'Why naive's assignment won, per cell, and the "
+              "level steps', 'Rings of their own'). The fill stays a candidate, the safety net that "
+              "keeps balance never slower than naive.",
               "- Micro-batch order within a pipeline: each candidate is also tried with every "
-              "pipeline's shortest micro-batch after its last ring moved to the front "
-              "(`short_first`): the later stages start sooner and rings keep their aligned index. "
-              "It wins in most `h100` cells and some `paper-fit` ones, by 0.5-1.5 %.",
+              "pipeline's next PP - 1 levels first and with singles first (docs/pipeline.md, 'The "
+              "next levels first', 'The window load and singles first'); rings keep their aligned "
+              f"index. {_reordered(results)}",
               "- Planning time: with offload on, both unit sets are planned, and each candidate is "
-              "tried in both orders where its floor does not rule that out. The 'plan CPU' columns "
-              "are single runs on a shared machine; section `planner_time` has the planning time "
-              "measured for its goal (minimum of 5 runs on the idle machine)."]
+              "tried as built and in both reorderings where its floor does not rule that out. The "
+              "'plan CPU' columns are single runs with the estimate, on a machine doing other work; "
+              "section `planner_time` has the planning time measured for its goal (the minimum of "
+              "runs in passes minutes apart, on the idle machine)."]
     return "\n".join(parts)
 
 
@@ -142,11 +143,33 @@ def _same_cost_model(after: dict, before: dict) -> bool:
 
 
 def _fill_wins(results: dict, before: dict) -> str:
-    """'k of those n cells': where balance was slower than naive before, how many now run the fill."""
+    """'k of the n cells where balance was slower than naive before'."""
     ks = [k for k in results if k in before
           and before[k]["balance"] > min(before[k]["naive"], before[k]["naive+eq3"]) * (1 + 1e-9)]
-    fill = sum(", fill" in results[k]["choice"] for k in ks)
-    return f"{fill} of those {len(ks)} cells"
+    own = sum("fill" not in results[k]["choice"] for k in ks)
+    return f"{own} of the {len(ks)} cells where balance was slower than naive before"
+
+
+def _assignment(choice: str) -> str:
+    """The candidate family of a ``choice`` cell ('eq3, pp-steps+singles-first' -> 'pp-steps')."""
+    return choice.split(", ", 1)[-1].split("+", 1)[0]
+
+
+def _families(results: dict) -> str:
+    """'pp-steps 20, pp-runs 12, ...': winners per candidate family, most first."""
+    from collections import Counter
+
+    counts = Counter(_assignment(r["choice"]) for r in results.values())
+    return ", ".join(f"`{name}` {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _reordered(results: dict) -> str:
+    """How many winners run a reordering, by kind."""
+    n = len(results)
+    nl = sum("+next-levels-first" in r["choice"] for r in results.values())
+    sf = sum("+singles-first" in r["choice"] for r in results.values())
+    return (f"Of the {n} winners, {nl} run the next levels first, {sf} singles first and "
+            f"{n - nl - sf} the order as built.")
 
 
 def _summary(hw: str, results: dict, before: dict) -> str:

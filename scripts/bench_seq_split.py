@@ -92,7 +92,8 @@ def main() -> None:
         "(the `cached` costing the runtime builds) only where the estimated step shrinks, and only where the plan "
         "stays valid (every later ring at one local index on its members); the kept prefix's memory is not counted "
         "(`bench_seq_split_sim.py`, section `seq_split_sim`, counts it). The last column is "
-        "`bench_pipeline_floor`'s best split after the fact, which ignores that rule. Decision CPU time on this "
+        "`bench_pipeline_floor`'s best split after the fact, which ignores that rule ('-': every such split of "
+        "that plan deadlocks, the later rings of a split ring's members no longer meeting). Decision CPU time on this "
         "shared machine (noisy). See docs/pipeline.md.\n\n"
     )
     write_section("seq_split_planned", intro + table)
