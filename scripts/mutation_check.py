@@ -474,6 +474,41 @@ _SPEED = ("speed only: the stop at the best step so far, the cache of stage time
 TOLERANCE = ("a float tolerance (1e-9 or 1e-12 relative): the outcome differs only when two times "
              "agree to that many digits")
 EQUIVALENT: list[tuple[str, str, str]] = [
+    # planner/schedulers/pp_vpp.py: the pick for interleaved stages
+    ("*pp_vpp.x_fastest_interleaved__*", r"key=lambda f: f\[0\]\)  ->  .*(key=None\)|, \))$",
+     "the keys (1F1B step, candidate index) are unique, so the tuples sort by them anyway and "
+     "never compare what follows"),
+    ("*pp_vpp.x_fastest_interleaved__*", r"finish_times\(request, placements, cost_model, seconds, vpp=vpp\).*  ->  .*cost_model, (None, )?vpp=vpp\)",
+     "speed only: the cache of stage times holds the floats a fresh costing gives "
+     "(candidate_time.finish_times, tested in test_candidate_time.py)"),
+    ("*pp_vpp.x_fastest_interleaved__*", r"emit_plan\(timing, placements, scheduler=scheduler, meta=meta\).*  ->  .*meta=None\)",
+     "only the estimate of the timing plan is kept, and a candidate's meta (assignment, offload "
+     "choice, counts) does not enter it; the winner is emitted again with its meta"),
+    ("*pp_vpp.x_fastest_interleaved__*", r"if best is None or \(step, rank\) < best\[:2\]:  ->  .*(<= best\[:2\]|< best\[:3\]):",
+     "ranks are unique, so two (step, rank) pairs never tie and the comparison with the third "
+     "item never reaches it"),
+    # planner/wavefront_interleaved.py
+    ("*wavefront_interleaved.x_simulate_interleaved__*", r"(np\.fromiter|np\.full)\(.*(dtype=np\.int64|count=).*  ->  .*(dtype=None|, \))",
+     "count only sizes fromiter's buffer; the ids, counts and positions are Python ints, which "
+     "numpy holds as int64 without a dtype"),
+    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^hi = np\.full\(len\(units\), -1, dtype=np\.int64\)  ->  hi = np\.full\(len\(units\), -2, dtype=np\.int64\)$",
+     "every unit is in some list, so its largest position (>= 0) replaces any negative start"),
+    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^slot = np\.full\(\(n, m\), -1, dtype=np\.int64\)  ->  slot = np\.full\(\(n, m\), [-+][12], dtype=np\.int64\)$",
+     "the pad is never read: a slot is read only for a pipeline whose count passes its index"),
+    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^per = 2 \* vpp \* pp  ->  per = 3 \* vpp \* pp$",
+     "a micro-batch's block of node slots only has to hold its 2 vpp pp ops: a wider block "
+     "leaves slots unused and every node apart"),
+    # planner/schedulers/balance.py: interleaved stages
+    ("*balance.x__best_pp_plan__*", r"^slack = INTERLEAVED_SLACK if vpp > 1 else 1e-9.*  ->  slack = INTERLEAVED_SLACK if \(vpp > 1\) or True else 1e-9",
+     "speed only with one virtual stage: a wider slack lets more candidates past their floors, "
+     "each slower than the best (a floor bounds its step), so the same one wins"),
+    ("*balance.x__best_pp_plan__*", r"finish = candidate_finish_times\(request, placements, ctx\.cost_model, seconds, / None if best is None else best\[0\] \* \(1 \+ slack\) if vpp > 1 / else best\[0\]\) if quick else None  ->  finish = None$",
+     "speed only: every candidate is then built and estimated, the same floats "
+     "(tests/planner/test_candidate_time.py)"),
+    ("*balance.x__best_pp_plan__*", r"None if best is None else best\[0\] \* \(1 \+ slack\) if vpp > 1.*  ->  (None\) if quick else None|\) if quick else None|None if best is None else best\[0\] \* \(1 \+ slack\) if \(vpp > 1\) or True)$",
+     "speed only: a stop only turns a candidate that cannot win (slower than the best, or than "
+     "the slack with virtual stages) into inf; timed in full or stopped at a higher bar it is "
+     "still not picked, and not a finalist"),
     # planner/plan.py
     ("*plan.x__check_piece_order__*", r"last = -1  ->  last = -2",
      "positions in seqs are >= 0: any negative start lets the first piece pass"),

@@ -169,3 +169,24 @@ def test_no_finalist_within_the_slack_is_an_error(monkeypatch):
     _fake_timing(monkeypatch, {})
     with pytest.raises(ValueError, match="1F1B winner"):
         fastest_interleaved(_Request(), [_finalist(2.0, (0, (0, 1)), "a")], 1.0, scheduler="balance")
+
+
+def test_with_expert_groups_the_candidates_are_timed_interleaved_from_their_plans(monkeypatch):
+    """Expert groups in lockstep are timed slot by slot, which only a built plan's estimate
+    does: the finalists are emitted and estimated with the virtual stages."""
+    cm = preset_cost_model("mistral-8x7b", "paper-fit", expert_parallel_size=2)
+    lengths = synthetic_lengths("byted", 600_000, seed=3, max_length=1 << 17)
+    timed = []
+
+    def counting(plan, cost_model, *args):
+        timed.append(plan.virtual_pipeline_size)
+        return estimate_plan(plan, cost_model, *args)
+
+    monkeypatch.setattr(pp_vpp, "estimate_plan", counting)
+    plan = make_plan(lengths, scheduler="balance", hdp_size=16, capacity=8192, cost_model=cm, pp_size=4, ep_size=2,
+                     virtual_pipeline_size=2)
+    assert plan.virtual_pipeline_size == 2 and plan.ep_size == 2
+    assert len(timed) == plan.meta["interleaved_timed"] >= 1 and set(timed) == {2}
+    assert "interleaved" in plan.estimate.extra["model"] and "lockstep" in plan.estimate.extra["model"]
+    assert plan.estimate.step_time_s == estimate_plan(replace(plan, estimate=None), cm).step_time_s
+    plan.validate()

@@ -47,12 +47,11 @@ def fastest_interleaved(request: PlanRequest, finalists: Sequence[tuple[tuple, t
     if not close:
         raise ValueError("fastest_interleaved needs at least the 1F1B winner among the finalists")
     vpp = request.virtual_pipeline_size
-    plain = replace(request, virtual_pipeline_size=1, pieces=False)
-    quick = times_without_plan(plain)
+    quick = times_without_plan(request)  # finish_times is told vpp; it reads neither that nor pieces
     best = None  # (step, rank, placements, meta, cost model, estimate or None)
     for rank, (_, (placements, meta, cost_model), seconds) in enumerate(close):
         meta = {**meta, "interleaved_timed": len(close)}
-        finish = finish_times(plain, placements, cost_model, seconds, vpp=vpp) if quick else None
+        finish = finish_times(request, placements, cost_model, seconds, vpp=vpp) if quick else None
         if finish is not None:
             step, estimate = float(finish.max()), None
         else:
@@ -64,4 +63,4 @@ def fastest_interleaved(request: PlanRequest, finalists: Sequence[tuple[tuple, t
     _, rank, placements, meta, cost_model, estimate = best
     # which one won, in their 1F1B order (0: the 1F1B winner)
     plan = emit_plan(request, placements, scheduler=scheduler, meta={**meta, "interleaved_rank": rank})
-    return (plan if estimate is None else replace(plan, estimate=estimate)), cost_model
+    return replace(plan, estimate=estimate), cost_model  # None when timed from placements
