@@ -366,7 +366,7 @@ TARGETS = [
            "megatron_bytescale/planner/schedulers/balance.py", ("x__best_pp_plan",),
            ("tests/planner/test_balance_vpp.py", "tests/planner/test_balance_candidate_choice.py",
             "tests/planner/test_planner_pp_balance.py"),
-           lines=r"vpp|slack|finalists|final = |fastest_interleaved"),
+           lines=r"vpp|slack|finalists|final = |fastest_interleaved|\* stop"),
     Target("pp_layer", "planner/schedulers/pp_balance.py (the layer before isolated rings)",
            "megatron_bytescale/planner/schedulers/pp_balance.py", ("x__place_isolated",),
            ("tests/planner/test_pp_isolate.py", "tests/planner/test_planner_pp_balance.py")),
@@ -502,13 +502,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*balance.x__best_pp_plan__*", r"^slack = INTERLEAVED_SLACK if vpp > 1 else 1e-9.*  ->  slack = INTERLEAVED_SLACK if \(vpp > 1\) or True else 1e-9",
      "speed only with one virtual stage: a wider slack lets more candidates past their floors, "
      "each slower than the best (a floor bounds its step), so the same one wins"),
-    ("*balance.x__best_pp_plan__*", r"finish = candidate_finish_times\(request, placements, ctx\.cost_model, seconds, / None if best is None else best\[0\] \* \(1 \+ slack\) if vpp > 1 / else best\[0\]\) if quick else None  ->  finish = None$",
-     "speed only: every candidate is then built and estimated, the same floats "
-     "(tests/planner/test_candidate_time.py)"),
-    ("*balance.x__best_pp_plan__*", r"None if best is None else best\[0\] \* \(1 \+ slack\) if vpp > 1.*  ->  (None\) if quick else None|\) if quick else None|None if best is None else best\[0\] \* \(1 \+ slack\) if \(vpp > 1\) or True)$",
-     "speed only: a stop only turns a candidate that cannot win (slower than the best, or than "
-     "the slack with virtual stages) into inf; timed in full or stopped at a higher bar it is "
-     "still not picked, and not a finalist"),
+    ("*balance.x__best_pp_plan__*", r"^stop = 1\.0 \+ INTERLEAVED_SLACK if vpp > 1 else 1\.0.*  ->  stop = 1\.0 \+ INTERLEAVED_SLACK if \(vpp > 1\) or True else 1\.0",
+     "speed only with one virtual stage: a timing then gives up at a higher bar, and a candidate "
+     "it stops is slower than the best either way, so the same one wins"),
+    ("*balance.x__best_pp_plan__*", r"None if best is None else best\[0\] \* stop\) if quick else None  ->  (finish = None|None\) if quick else None|\) if quick else None)$",
+     "speed only: without a stop a candidate is timed in full, and without the quick timing it is "
+     "built and estimated, the same floats (tests/planner/test_candidate_time.py); a stop only "
+     "turns one that cannot win, nor be a finalist with virtual stages, into inf"),
     # planner/plan.py
     ("*plan.x__check_piece_order__*", r"last = -1  ->  last = -2",
      "positions in seqs are >= 0: any negative start lets the first piece pass"),

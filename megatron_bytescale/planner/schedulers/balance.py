@@ -260,6 +260,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
     if vpp > 1:  # ranked by plain 1F1B; the close ones are timed interleaved at the end (step 7)
         request = replace(request, virtual_pipeline_size=1)
     slack = INTERLEAVED_SLACK if vpp > 1 else 1e-9  # what a floor may pass the best by and stay in
+    stop = 1.0 + INTERLEAVED_SLACK if vpp > 1 else 1.0  # a timing gives up past the best times this
     finalists: list[tuple[tuple, tuple, dict]] = []  # with VPP: (key, build, seconds) of each timed
     kw = dict(delta=request.delta, num_buckets=request.num_buckets)
     # (step, (unit set, (assignment, variant)), the plan if built, what builds it)
@@ -355,8 +356,7 @@ def _best_pp_plan(request: PlanRequest, options: Sequence[tuple], meta: dict) ->
             # timed as its plan would be (only the winner is built), given up once it is slower
             # than the best: it then cannot win (ties go to the earlier candidate)
             finish = candidate_finish_times(request, placements, ctx.cost_model, seconds,
-                                            None if best is None else best[0] * (1 + slack) if vpp > 1
-                                            else best[0]) if quick else None
+                                            None if best is None else best[0] * stop) if quick else None
             if finish is not None:
                 key = (float(finish.max()), index)
                 if vpp > 1:
