@@ -86,18 +86,19 @@ def template_keys(m: int, pp: int, vpp: int) -> tuple[np.ndarray, ...]:
                 queue.append(b)
     if any(indeg):
         raise RuntimeError(f"the interleaved template of {m} micro-batches (pp {pp}, vpp {vpp}) has a cycle")
-    ids = np.arange(n, dtype=np.int64)
-    order = np.argsort(np.asarray(depth, dtype=np.int64), kind="stable")
-    keys = np.asarray(depth, dtype=np.int64)[order]
+    keys = np.asarray(depth, dtype=np.int64)
+    ids = np.argsort(keys, kind="stable")  # the nodes, key by key
+    keys = keys[ids]
     bounds = np.concatenate(([0], np.flatnonzero(np.diff(keys)) + 1, [n]))
-    ids = ids[order]
     own = ids % per
     i = ids // per
     ph, rest = np.divmod(own, vpp * pp)
     c, s = np.divmod(rest, pp)
-    deps = np.asarray(dep, dtype=np.int64)[order]
-    dep_own = np.where(deps >= 0, deps % per, -1)
-    return bounds, ph, i, c, s, own, dep_own
+    deps = np.asarray(dep, dtype=np.int64)[ids]
+    out = (bounds, ph, i, c, s, own, np.where(deps >= 0, deps % per, -1))
+    for a in out:  # cached and shared: read-only
+        a.flags.writeable = False
+    return out
 
 
 def simulate_interleaved(lists: Sequence[Sequence[int]], seconds: Mapping[int, float], *, pp: int, vpp: int,
