@@ -191,6 +191,10 @@ def simulate_schedule(lists: Sequence[Sequence[int]], seconds: Mapping[int, floa
     ``B(c, s + 1) -> B(c, s)``, ``B(c + 1, 0) -> B(c, p - 1)``. With ``vpp`` > 1 the stages
     follow :func:`template_stage_ops` (one schedule all pipelines agree on), or with
     ``own_tables`` Megatron's table of each pipeline's own length (which may deadlock).
+
+    The template's times come from :mod:`.wavefront_interleaved` (the same floats, one numpy
+    step per key) unless node times are recorded or a unit sits at two local indices; the rest
+    walks the graph (:func:`walk_schedule`).
     """
     if pp < 1 or vpp < 1:
         raise ValueError(f"pp ({pp}) and vpp ({vpp}) must be >= 1")
