@@ -92,6 +92,13 @@ def install_cpu_stand_ins() -> None:
                                                      allow_no_cuda=True)
 
 
+def _say(line: str) -> None:
+    """Print ``line`` in one write: the ranks share one pipe, and under PYTHONUNBUFFERED=1
+    ``print`` writes the text and its newline apart, so two ranks' lines could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def install_probes() -> None:
     """Print the ``HDPCHECK`` and ``HDPLOSS`` lines (see the module docstring)."""
     import megatron.training.training as training
@@ -102,9 +109,9 @@ def install_probes() -> None:
 
     def probed_run(step, **kwargs):
         rings = sorted(mb.ring_size for mb in step.micro_batches)
-        print(f"HDPCHECK rank {dist.get_rank()} micro_batches {step.num_micro_batches} "
-              f"rings {rings} forward_only {kwargs.get('forward_only')} "
-              f"tokens {step.global_batch.total_tokens}", flush=True)
+        _say(f"HDPCHECK rank {dist.get_rank()} micro_batches {step.num_micro_batches} "
+             f"rings {rings} forward_only {kwargs.get('forward_only')} "
+             f"tokens {step.global_batch.total_tokens}")
         return run(step, **kwargs)
 
     megatron_lm_step.run_micro_batches = probed_run
@@ -113,7 +120,7 @@ def install_probes() -> None:
     def probed_train_step(*args, **kwargs):
         out = train_step(*args, **kwargs)
         if dist.get_rank() == dist.get_world_size() - 1 and "lm loss" in out[0]:
-            print(f"HDPLOSS {float(out[0]['lm loss']):.9f}", flush=True)
+            _say(f"HDPLOSS {float(out[0]['lm loss']):.9f}")
         return out
 
     training.train_step = probed_train_step

@@ -67,8 +67,11 @@ def test_a_run_that_times_out_leaves_no_process_behind(patched_megatron_lm, tmp_
 
 _RANK_SCRIPT = """
 import os, sys, time
-print("RANK", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"],
-      os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], sys.argv[1:], flush=True)
+# One write per line: the ranks share one pipe, and under PYTHONUNBUFFERED=1 print() writes
+# each of its arguments on its own, so two ranks' words could interleave.
+line = " ".join(["RANK", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"],
+                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], repr(sys.argv[1:])])
+os.write(1, (line + "\\n").encode())
 if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
     raise SystemExit(3)
 if os.environ.get("FAIL_RANK"):
