@@ -488,14 +488,21 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "ranks are unique, so two (step, rank) pairs never tie and the comparison with the third "
      "item never reaches it"),
     # planner/wavefront_interleaved.py
-    ("*wavefront_interleaved.x_simulate_interleaved__*", r"(np\.fromiter|np\.full)\(.*(dtype=np\.int64|count=).*  ->  .*(dtype=None|, \))",
+    ("*wavefront_interleaved.x_simulate_interleaved*", r'kind="stable"\).*  ->  .*kind="STABLE"\)',
+     "numpy reads the sort kind case-insensitively"),
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^counts = np\.bincount\(pipeline, minlength=n\)  ->  counts = np\.bincount\(pipeline, \)$",
+     "without minlength the counts stop at the last pipeline with a slot; the ones after it have "
+     "none, so they run no op and finish at 0 either way (stage_end has all n rows)"),
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^t = np\.asarray\(t, dtype=np\.float64\) / vpp  ->  t = np\.asarray\(t, (dtype=None)?\) / vpp$",
+     "both callers pass float64 stage times; numpy keeps them float64 without a dtype"),
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"(np\.fromiter|np\.full)\(.*(dtype=np\.int64|count=).*  ->  .*(dtype=None|, \))",
      "count only sizes fromiter's buffer; the ids, counts and positions are Python ints, which "
      "numpy holds as int64 without a dtype"),
-    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^hi = np\.full\(len\(units\), -1, dtype=np\.int64\)  ->  hi = np\.full\(len\(units\), -2, dtype=np\.int64\)$",
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^hi = np\.full\(len\((units|t)\), -1, dtype=np\.int64\)  ->  hi = np\.full\(len\((units|t)\), -2, dtype=np\.int64\)$",
      "every unit is in some list, so its largest position (>= 0) replaces any negative start"),
-    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^slot = np\.full\(\(n, m\), -1, dtype=np\.int64\)  ->  slot = np\.full\(\(n, m\), [-+][12], dtype=np\.int64\)$",
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^slot = np\.full\(\(n, m\), -1, dtype=np\.int64\)  ->  slot = np\.full\(\(n, m\), [-+][12], dtype=np\.int64\)$",
      "the pad is never read: a slot is read only for a pipeline whose count passes its index"),
-    ("*wavefront_interleaved.x_simulate_interleaved__*", r"^per = 2 \* vpp \* pp  ->  per = 3 \* vpp \* pp$",
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^per = 2 \* vpp \* pp  ->  per = 3 \* vpp \* pp$",
      "a micro-batch's block of node slots only has to hold its 2 vpp pp ops: a wider block "
      "leaves slots unused and every node apart"),
     # planner/schedulers/balance.py: interleaved stages

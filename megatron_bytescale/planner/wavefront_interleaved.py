@@ -108,26 +108,40 @@ def simulate_interleaved(lists: Sequence[Sequence[int]], seconds: Mapping[int, f
     on every list that holds it (the keys would not order the graph: the caller walks it)."""
     n = len(lists)
     counts = np.fromiter((len(ul) for ul in lists), dtype=np.int64, count=n)
-    if not counts.any():
-        return np.zeros(n)
     flat = np.fromiter((u for ul in lists for u in ul), dtype=np.int64, count=int(counts.sum()))
     units, index = np.unique(flat, return_inverse=True)
-    pipe = np.repeat(np.arange(n), counts)
-    pos = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
-    lo = np.full(len(units), len(flat), dtype=np.int64)
-    hi = np.full(len(units), -1, dtype=np.int64)
+    t = np.array([float(seconds.get(u, 0.0)) for u in units.tolist()])
+    return simulate_interleaved_flat(np.repeat(np.arange(n), counts), index, t, n, pp=pp, vpp=vpp,
+                                     forward_fraction=forward_fraction)
+
+
+def simulate_interleaved_flat(pipeline: np.ndarray, index: np.ndarray, t: np.ndarray, n: int, *, pp: int, vpp: int,
+                              forward_fraction: float) -> np.ndarray | None:
+    """:func:`simulate_interleaved` with every slot of every list as an entry of two flat
+    arrays: the pipeline (0 .. n - 1) whose list holds it and its unit (an index into ``t``, the
+    stage times, every unit in some slot), each pipeline's slots in list order (slots of
+    different pipelines may interleave), as :func:`..wavefront.simulate_wavefront_flat` takes
+    them."""
+    counts = np.bincount(pipeline, minlength=n)
+    if not counts.any():
+        return np.zeros(n)
+    by_pipe = np.argsort(pipeline, kind="stable")  # each pipeline's slots together, in list order
+    pos = np.empty(len(pipeline), dtype=np.int64)
+    pos[by_pipe] = np.arange(len(pipeline)) - np.repeat(np.cumsum(counts) - counts, counts)
+    lo = np.full(len(t), len(pipeline), dtype=np.int64)
+    hi = np.full(len(t), -1, dtype=np.int64)
     np.minimum.at(lo, index, pos)
     np.maximum.at(hi, index, pos)
-    if np.any(lo != hi) or len(np.unique(pipe * len(units) + index)) != len(flat):
+    if np.any(lo != hi) or len(np.unique(pipeline * len(t) + index)) != len(pipeline):
         return None  # a unit at two local indices, or twice in one list
     m = -(-int(counts.max()) // pp) * pp
     slot = np.full((n, m), -1, dtype=np.int64)
-    slot[pipe, pos] = index
-    t = np.array([float(seconds.get(u, 0.0)) for u in units.tolist()]) / vpp
+    slot[pipeline, pos] = index
+    t = np.asarray(t, dtype=np.float64) / vpp
     weight = np.stack([t * forward_fraction, t * (1.0 - forward_fraction)])  # [phase, unit]
     per = 2 * vpp * pp
     bounds, ph, i, c, s, own, dep = template_keys(m, pp, vpp)
-    node_end = np.zeros(len(units) * per)
+    node_end = np.zeros(len(t) * per)
     stage_end = np.zeros((n, pp))
     for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         gi = i[a:b]

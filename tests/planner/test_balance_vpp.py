@@ -30,12 +30,13 @@ def plans(dataset: str, seed: int, hdp: int, pp: int, vpp: int, **kw):
     return make_plan(lengths, **kw), make_plan(lengths, virtual_pipeline_size=vpp, **kw)
 
 
-@pytest.mark.parametrize("dataset, seed, hdp, pp, vpp, offload", [
-    ("github", 3, 16, 4, 2, True), ("byted", 4, 16, 4, 4, False), ("github", 5, 16, 2, 2, False),
-    ("byted", 6, 12, 2, 8, True), ("github", 7, 16, 4, 8, True),
+@pytest.mark.parametrize("dataset, seed, hdp, pp, vpp, offload, align", [
+    ("github", 3, 16, 4, 2, True, 1), ("byted", 4, 16, 4, 4, False, 8), ("github", 5, 16, 2, 2, False, 1),
+    ("byted", 6, 12, 2, 8, True, 16), ("github", 7, 16, 4, 8, True, 1),
 ])
-def test_the_interleaved_pick_is_never_slower_interleaved_than_the_1f1b_winner(dataset, seed, hdp, pp, vpp, offload):
-    flat, picked = plans(dataset, seed, hdp, pp, vpp, offload=offload)
+def test_the_interleaved_pick_is_never_slower_interleaved_than_the_1f1b_winner(dataset, seed, hdp, pp, vpp, offload,
+                                                                              align):
+    flat, picked = plans(dataset, seed, hdp, pp, vpp, offload=offload, align=align)
     assert picked.virtual_pipeline_size == vpp and flat.virtual_pipeline_size == 1
     picked.validate()  # pieces and all: the plan training runs
     assert "interleaved" in picked.estimate.extra["model"]

@@ -252,3 +252,13 @@ def test_cli_expert_tensor_parallel_size_of_a_cost_model_file(tmp_path, capsys):
     capsys.readouterr()
     assert main(base + ["--hdp-size", "8", "--etp-size", "2"]) == 2
     assert "--expert-tensor-parallel-size 2 applies to a --model preset" in capsys.readouterr().err
+
+
+def test_cli_vpp_size_plans_for_the_virtual_stages(tmp_path):
+    """--vpp-size V reaches make_plan: the written plan holds V and is balance's pick for it."""
+    out = tmp_path / "plan.json"
+    assert main(["--synthetic", "byted", "--global-tokens", "1000000", "--hdp-size", "16", "--pp-size", "4",
+                 "--vpp-size", "2", "--quiet", "--validate", "--json", str(out)]) == 0
+    plan = StepPlan.from_json(out.read_text())
+    assert plan.virtual_pipeline_size == 2 and plan.meta["interleaved_timed"] >= 1
+    plan.validate()

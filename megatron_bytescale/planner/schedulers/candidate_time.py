@@ -8,7 +8,7 @@ placement order as :func:`._common.emit_plan` numbers them, each micro-batch is 
 :func:`..estimate.costs_of` (the code :func:`..estimate.micro_batch_costs` runs on a built plan)
 and the pipelines are timed by :func:`..wavefront.simulate_wavefront_flat` (what
 :func:`..order.simulate` runs for such a plan), or with virtual stages by
-:func:`..wavefront_interleaved.simulate_interleaved` (what the estimate runs for an interleaved
+:func:`..wavefront_interleaved.simulate_interleaved_flat` (what the estimate runs for an interleaved
 plan). So it returns the same floats as ``estimate_plan(emit_plan(request, placements),
 cost_model).rank_time_s``, which the tests check on seeded batches.
 """
@@ -24,7 +24,7 @@ from ..cost_model import CostModel
 from ..estimate import costs_of
 from ..topology import Topology
 from ..wavefront import simulate_wavefront_flat
-from ..wavefront_interleaved import simulate_interleaved
+from ..wavefront_interleaved import simulate_interleaved_flat
 from ._common import Placement, PlanRequest
 
 
@@ -88,14 +88,10 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
             cache[keys[order]] = t
     # orders number the placements (as emit_plan numbers them); each member's list in placement order
     rings = [p.ring for p in placements]
-    if vpp > 1:
-        lists: list[list[int]] = [[] for _ in range(n)]
-        for order, ring in enumerate(rings):
-            for r in ring:
-                lists[r].append(order)
-        return simulate_interleaved(lists, dict(enumerate(times)), pp=request.pp_size, vpp=vpp,
-                                    forward_fraction=cost_model.forward_fraction)
     pipeline = np.fromiter(chain.from_iterable(rings), dtype=np.int64)
     index = np.repeat(np.arange(len(rings)), np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
+    if vpp > 1:
+        return simulate_interleaved_flat(pipeline, index, np.array(times, dtype=float), n, pp=request.pp_size,
+                                         vpp=vpp, forward_fraction=cost_model.forward_fraction)
     return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
                                    cost_model.forward_fraction, stop_above)

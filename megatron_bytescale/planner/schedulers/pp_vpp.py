@@ -4,7 +4,7 @@ PP-Balance ranks its candidates by plain 1F1B: its floors, its quick timing and 
 (the next levels first, singles first) are all about the 1F1B window a long ring opens. Under
 Megatron's interleaved schedule that window is ``virtual_pipeline_size`` times shorter and the
 warm-up holds more forwards, so the 1F1B winner is often not the fastest interleaved: on the
-Fig. 17 cells it was even slower interleaved than in plain 1F1B in a third of them (LLaMA-70B
+Fig. 17 cells it was even slower interleaved than in plain 1F1B in 18 of 64 cell x V rows (LLaMA-70B
 GitHub 2M, ``paper-fit``: 51.5 s in 1F1B, 58.4 s with 4 virtual stages), while another
 candidate a few percent slower in 1F1B ran in 50.1 s interleaved. The 1F1B order is a poor
 guide there (the fastest interleaved was up to the 17th of the candidates in 1F1B order), so
