@@ -72,6 +72,7 @@ def cell(model: str, dataset: str, context: int, hardware: str) -> dict:
     out = {
         "hardware": hardware, "model": model, "dataset": dataset, "context": context, "gpus": setup.num_gpus,
         "pipelines": setup.hdp_size, "pp": setup.pp_size, "fixed_s": fixed,
+        "layers_per_stage": cm.layers_per_stage(setup.pp_size),
         "naive_phase_s": naive_step.micro_batch_phase_s,
         "naive_eq3_phase_s": simulate_step(naive_eq3, cm).micro_batch_phase_s, "phase_s": base.micro_batch_phase_s,
         "lower_bound_s": base.lower_bound_s,
@@ -82,8 +83,9 @@ def cell(model: str, dataset: str, context: int, hardware: str) -> dict:
     if check is None or abs(check.step_s - base.micro_batch_phase_s) > 1e-6 * max(1.0, check.step_s):
         raise RuntimeError(f"{model}/{dataset}/{context}: the floor model's 1F1B differs from the estimate")
     for v in VPPS:
-        r = time_plan(plan, cm, vpp=v)
-        out[f"vpp{v}_s"] = None if r is None else r.step_s
+        if vpp_fits(out, v):
+            r = time_plan(plan, cm, vpp=v)
+            out[f"vpp{v}_s"] = None if r is None else r.step_s
     nowait = cm.with_(ring_straggler_s=0.0)
     nowait_max = float(micro_batch_costs(plan, nowait).seconds.max(initial=0.0))
     out["nowait_phase_s"] = time_plan(plan, nowait).step_s
@@ -95,6 +97,20 @@ def cell(model: str, dataset: str, context: int, hardware: str) -> dict:
                 out[f"split_{costing}_{policy}{k}_s"] = None if r is None else r.step_s
                 out[f"split_{costing}_{policy}{k}_bound_s"] = None if r is None else r.lower_bound_s
     return out
+
+
+def vpp_fits(row: dict, v: int) -> bool:
+    """Whether Megatron can build ``v`` virtual stages: each stage's layers split into v chunks."""
+    return row["layers_per_stage"] % v == 0
+
+
+def vpp_best(row: dict) -> float:
+    """The best step speedup of the virtual stages the cell admits (0.0 where none)."""
+    return max((speedup(row, f"vpp{v}_s") or 0.0 for v in VPPS if vpp_fits(row, v)), default=0.0)
+
+
+def vpp_cell(row: dict, v: int) -> str:
+    return fmt(row[f"vpp{v}_s"]) if vpp_fits(row, v) else f"n/a ({row['layers_per_stage']} layers)"
 
 
 def speedup(row: dict, key: str) -> float | None:
@@ -122,7 +138,6 @@ def tables(rows: list[dict]) -> tuple[str, str]:
             *(f"split {c}: best phase s (step speedup, k, which)" for c in COSTINGS)]
     body = []
     for r in rows:
-        vpp_best = max((speedup(r, f"vpp{v}_s") or 0.0) for v in VPPS)
         cells = []
         for c in COSTINGS:
             sp, what, phase = best(r, c)
@@ -130,14 +145,17 @@ def tables(rows: list[dict]) -> tuple[str, str]:
         body.append([
             r["model"], r["dataset"], format_tokens(r["context"]), fmt(r["naive_phase_s"]),
             fmt(r["naive_eq3_phase_s"]), fmt(r["phase_s"]),
-            fmt(r["lower_bound_s"]), fmt(r["pp_critical_s"]), fmt(r["vpp2_s"]), fmt(r["vpp4_s"]),
-            f"{vpp_best:.2f}x", *cells,
+            fmt(r["lower_bound_s"]), fmt(r["pp_critical_s"]), *(vpp_cell(r, v) for v in VPPS),
+            f"{vpp_best(r):.2f}x" if any(vpp_fits(r, v) for v in VPPS) else "n/a", *cells,
         ])
     table = markdown_table(head, body)
-    n_vpp = sum(max((speedup(r, f"vpp{v}_s") or 0.0) for v in VPPS) >= THRESHOLD for r in rows)
-    top_vpp = max(rows, key=lambda r: max((speedup(r, f"vpp{v}_s") or 0.0) for v in VPPS))
-    parts = [f"Cells at or above {THRESHOLD:.2f}x step speedup (of {len(rows)}): VPP {n_vpp} (largest "
-             f"{max((speedup(top_vpp, f'vpp{v}_s') or 0.0) for v in VPPS):.2f}x)"]
+    n_vpp = sum(vpp_best(r) >= THRESHOLD for r in rows)
+    top_vpp = max(rows, key=vpp_best)
+    n_fit = sum(any(vpp_fits(r, v) for v in VPPS) for r in rows)
+    parts = [f"Cells at or above {THRESHOLD:.2f}x step speedup (of {len(rows)}): VPP {n_vpp} of the {n_fit} "
+             f"that admit it (largest "
+             f"{vpp_best(top_vpp):.2f}x, {top_vpp['model']} {top_vpp['dataset']} "
+             f"{format_tokens(top_vpp['context'])})"]
     for c in COSTINGS:
         n = sum(best(r, c)[0] >= THRESHOLD for r in rows)
         top = max(rows, key=lambda r: best(r, c)[0])
@@ -168,7 +186,7 @@ def main() -> None:
                     rows.append(cell(model, dataset, ctx, hardware))
                     r = rows[-1]
                     progress(f"{hardware} {model} {dataset} {format_tokens(ctx)}: 1F1B {r['phase_s']:.1f} s, VPP4 "
-                             f"{fmt(r['vpp4_s'])}, best ideal/cached/ring split "
+                             f"{vpp_cell(r, 4)}, best ideal/cached/ring split "
                              f"{[round(best(r, c)[0], 3) for c in COSTINGS]} ({time.perf_counter() - start:.0f} s)")
     if not args.from_json:
         Path("out").mkdir(exist_ok=True)
@@ -196,7 +214,8 @@ def main() -> None:
         "without offload, naive + Eq. 3 = with Eq. 3's offloaded rings; balance = PP-Balance's plain 1F1B plan, timed "
         "as it is under every schedule (planned for virtual stages, PP-Balance picks another plan: section "
         "`pipeline-vpp-pick`); 'deadlock (every split)': every split of that plan leaves a later ring at two local "
-        "indices. The scheduler's own changes are reported with Fig. 17 in docs/reproduction.md. Decision in "
+        "indices; 'n/a (L layers)': the stage's L layers do not split into that many virtual stages, so Megatron-LM "
+        "refuses it (Mistral-8x22B: 56 layers over PP 8). The scheduler's own changes are reported with Fig. 17 in docs/reproduction.md. Decision in "
         "docs/pipeline.md.\n\n"
     )
     write_section("pipeline_floor", intro + text)
