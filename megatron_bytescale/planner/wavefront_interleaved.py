@@ -102,7 +102,7 @@ def template_keys(m: int, pp: int, vpp: int) -> tuple[np.ndarray, ...]:
 
 
 def simulate_interleaved(lists: Sequence[Sequence[int]], seconds: Mapping[int, float], *, pp: int, vpp: int,
-                         forward_fraction: float) -> np.ndarray | None:
+                         forward_fraction: float, stop_above: float | None = None) -> np.ndarray | None:
     """Per pipeline, when its last op finishes under the interleaved template (the floats of
     :func:`.pipeline_floor.simulate_schedule`), or None when a unit is not at one local index
     on every list that holds it (the keys would not order the graph: the caller walks it)."""
@@ -112,16 +112,22 @@ def simulate_interleaved(lists: Sequence[Sequence[int]], seconds: Mapping[int, f
     units, index = np.unique(flat, return_inverse=True)
     t = np.array([float(seconds.get(u, 0.0)) for u in units.tolist()])
     return simulate_interleaved_flat(np.repeat(np.arange(n), counts), index, t, n, pp=pp, vpp=vpp,
-                                     forward_fraction=forward_fraction)
+                                     forward_fraction=forward_fraction, stop_above=stop_above)
 
 
 def simulate_interleaved_flat(pipeline: np.ndarray, index: np.ndarray, t: np.ndarray, n: int, *, pp: int, vpp: int,
-                              forward_fraction: float) -> np.ndarray | None:
+                              forward_fraction: float, stop_above: float | None = None) -> np.ndarray | None:
     """:func:`simulate_interleaved` with every slot of every list as an entry of two flat
     arrays: the pipeline (0 .. n - 1) whose list holds it and its unit (an index into ``t``, the
     stage times, every unit in some slot), each pipeline's slots in list order (slots of
     different pipelines may interleave), as :func:`..wavefront.simulate_wavefront_flat` takes
-    them."""
+    them.
+
+    ``stop_above``: a caller that only needs the step when it is at most this value. Every
+    :data:`STOP_EVERY` keys each stage's latest finish plus the stage work its pipeline has
+    left there is a lower bound on that pipeline's finish (a stage runs its ops one after
+    another); once one exceeds ``stop_above`` (by more than rounding) the run returns ``inf``
+    for every pipeline."""
     counts = np.bincount(pipeline, minlength=n)
     if not counts.any():
         return np.zeros(n)
@@ -143,7 +149,15 @@ def simulate_interleaved_flat(pipeline: np.ndarray, index: np.ndarray, t: np.nda
     bounds, ph, i, c, s, own, dep = template_keys(m, pp, vpp)
     node_end = np.zeros(len(t) * per)
     stage_end = np.zeros((n, pp))
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+    if stop_above is not None:
+        # left[r, s]: the work stage s of pipeline r has still to run (at first every unit of its
+        # list, v chunks forward and v backward), less each op as it is timed
+        per_unit = vpp * (weight[0] + weight[1])
+        left = np.repeat(np.bincount(pipeline, weights=per_unit[index], minlength=n)[:, None], pp, axis=1)
+    for key, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        if stop_above is not None and key % STOP_EVERY == 0 and key:
+            if (stage_end + left).max() > stop_above * (1 + 1e-9):
+                return np.full(n, np.inf)
         gi = i[a:b]
         op, r = np.nonzero(counts[None, :] > gi[:, None])  # the pipelines that run each op
         if not len(op):
@@ -158,4 +172,10 @@ def simulate_interleaved_flat(pipeline: np.ndarray, index: np.ndarray, t: np.nda
         end = node_end[me] + weight[ph[a:b][op], u]
         node_end[me] = end
         stage_end[r, st] = end
+        if stop_above is not None:
+            left[r, st] -= weight[ph[a:b][op], u]  # one op per (pipeline, stage) and key
     return stage_end.max(axis=1)
+
+
+STOP_EVERY = 16
+"""With ``stop_above``, how many keys between two checks of the bound."""

@@ -85,13 +85,19 @@ def test_every_candidate_is_timed_interleaved_as_its_plan_would_be(monkeypatch):
     """Timed from placements (``candidate_time.finish_times(vpp=...)``): the floats of the
     emitted plan's interleaved estimate, on the regular and an irregular node map, two-level
     rings and offload."""
-    checked = {"n": 0, "rings": 0}
+    checked = {"n": 0, "rings": 0, "stopped": 0}
 
     def checking(request, placements, cost_model, seconds=None, stop_above=None, vpp=1):
         got = candidate_time.finish_times(request, placements, cost_model, seconds, stop_above, vpp=vpp)
         plan = emit_plan(replace(request, pieces=False, virtual_pipeline_size=vpp), placements, scheduler="balance")
         assert plan.virtual_pipeline_size == vpp > 1
-        assert got is not None and np.array_equal(got, np.asarray(estimate_plan(plan, cost_model).rank_time_s))
+        want = np.asarray(estimate_plan(plan, cost_model).rank_time_s)
+        assert got is not None
+        if np.isinf(got).all():  # stopped: it could not beat the best so far
+            assert stop_above is not None and want.max() > stop_above
+            checked["stopped"] += 1
+        else:
+            assert np.array_equal(got, want)
         checked["n"] += 1
         checked["rings"] += any(len(p.ring) > 1 for p in placements)
         return got
@@ -105,7 +111,17 @@ def test_every_candidate_is_timed_interleaved_as_its_plan_would_be(monkeypatch):
                                             virtual_pipeline_size=vpp), **kw})
         assert plan.estimate.step_time_s == estimate_plan(replace(plan, estimate=None), kw.get("cost_model", CM),
                                                           kw.get("topology")).step_time_s
-    assert checked["n"] >= 10 and checked["rings"] >= 10
+    assert checked["n"] >= 10 and checked["rings"] >= 10 and 0 < checked["stopped"] < checked["n"]
+
+
+@pytest.mark.parametrize("dataset, seed, pp, vpp", [("github", 0, 4, 2), ("byted", 1, 2, 4), ("github", 7, 4, 8)])
+def test_stopping_the_candidates_that_cannot_win_changes_no_pick(monkeypatch, dataset, seed, pp, vpp):
+    lengths = synthetic_lengths(dataset, 2**19, seed=seed, max_length=65536)
+    kw = dict(scheduler="balance", hdp_size=16, capacity=4096, cost_model=CM, pp_size=pp, virtual_pipeline_size=vpp)
+    stopping = make_plan(lengths, **kw)
+    full = candidate_time.finish_times
+    monkeypatch.setattr(pp_vpp, "finish_times", lambda *a, stop_above=None, **k: full(*a, **k))
+    assert stopping == make_plan(lengths, **kw)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,41 @@ def test_the_same_floats_as_the_graph_walk(seed):
     assert np.array_equal(simulate_schedule(lists, dur, pp=pp, vpp=vpp, forward_fraction=ff).rank_finish_s, got)
 
 
+def test_a_run_told_a_step_to_beat_gives_the_same_floats_or_stops_only_above_it():
+    """``stop_above``: the full times whenever the step is at most the value; otherwise the same
+    or ``inf`` everywhere, and ``inf`` only where the step is above it."""
+    stopped = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        lists, dur, _ = random_pipeline_lists(rng)
+        pp, vpp = rng.randint(2, 5), rng.randint(2, 4)
+        ff = rng.choice([1.0 / 3.0, 0.5, 0.2])
+        full = simulate_interleaved(lists, dur, pp=pp, vpp=vpp, forward_fraction=ff)
+        step = float(full.max())
+        for limit in (step, step * (1 + 1e-12), 2 * step):
+            assert np.array_equal(simulate_interleaved(lists, dur, pp=pp, vpp=vpp, forward_fraction=ff,
+                                                       stop_above=limit), full)
+        for limit in (step * 0.999, step * 0.9, step / 2, 0.0):
+            got = simulate_interleaved(lists, dur, pp=pp, vpp=vpp, forward_fraction=ff, stop_above=limit)
+            if np.isinf(got).all():
+                stopped += 1
+            else:
+                assert np.array_equal(got, full)
+    assert stopped >= 60  # it does stop: well below the step, most runs of more than a few keys
+
+
+def test_the_stop_counts_the_work_a_stage_has_left():
+    """One pipeline of 24 units of 1 s, PP 2, v 2, forward fraction 1/2: each stage works 24 s
+    and the step is 24.5 s (stage 1 waits 0.5 s for the first forward chunk). Told to beat 24 s,
+    the run stops: stage 1's finish so far plus the 24 s less what it has run already passes 24 s
+    at the first check, while its finish so far alone stays under 24 s at every check."""
+    lists, dur = [list(range(24))], {u: 1.0 for u in range(24)}
+    kw = dict(pp=2, vpp=2, forward_fraction=0.5)
+    assert simulate_interleaved(lists, dur, **kw).tolist() == [24.5]
+    assert np.isinf(simulate_interleaved(lists, dur, stop_above=24.0, **kw)).all()
+    assert simulate_interleaved(lists, dur, stop_above=24.5, **kw).tolist() == [24.5]
+
+
 def test_a_ring_that_waits_for_its_slowest_member_by_hand():
     """PP 2, v 2, forward fraction 1/2, so an op takes a quarter of its unit's stage time:
     pipeline 0 runs unit 5 (0.5 s an op) then ring 9 (0.25 s), pipeline 1 unit 7 (0.125 s) then

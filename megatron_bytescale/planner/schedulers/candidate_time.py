@@ -65,8 +65,8 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     gives. Use one per cost model and request.
 
     ``stop_above``: ``inf`` for every rank as soon as the step is known to exceed it (a
-    candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`;
-    plain 1F1B only). ``vpp`` > 1: timed with that many virtual stages per stage, as the plan
+    candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`, or
+    with virtual stages :func:`..wavefront_interleaved.simulate_interleaved_flat`). ``vpp`` > 1: timed with that many virtual stages per stage, as the plan
     emitted with ``virtual_pipeline_size = vpp`` is estimated."""
     n = request.hdp_size
     topo = Topology.of(request.cost_model, request.topology)
@@ -92,6 +92,6 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
     index = np.repeat(np.arange(len(rings)), np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)))
     if vpp > 1:
         return simulate_interleaved_flat(pipeline, index, np.array(times, dtype=float), n, pp=request.pp_size,
-                                         vpp=vpp, forward_fraction=cost_model.forward_fraction)
+                                         vpp=vpp, forward_fraction=cost_model.forward_fraction, stop_above=stop_above)
     return simulate_wavefront_flat(pipeline, index, np.array(times, dtype=float), n, request.pp_size,
                                    cost_model.forward_fraction, stop_above)
