@@ -478,7 +478,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("*pp_vpp.x_fastest_interleaved__*", r"key=lambda f: f\[0\]\)  ->  .*(key=None\)|, \))$",
      "the keys (1F1B step, candidate index) are unique, so the tuples sort by them anyway and "
      "never compare what follows"),
-    ("*pp_vpp.x_fastest_interleaved__*", r"finish_times\(request, placements, cost_model, seconds, vpp=vpp\).*  ->  .*cost_model, (None, )?vpp=vpp\)",
+    ("*pp_vpp.x_fastest_interleaved__*", r"finish_times\(request, placements, cost_model, seconds, stop_above=stop, vpp=vpp\).*  ->  .*cost_model, (None, )?stop_above=stop, vpp=vpp\)",
      "speed only: the cache of stage times holds the floats a fresh costing gives "
      "(candidate_time.finish_times, tested in test_candidate_time.py)"),
     ("*pp_vpp.x_fastest_interleaved__*", r"emit_plan\(timing, placements, scheduler=scheduler, meta=meta\).*  ->  .*meta=None\)",
@@ -502,6 +502,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "every unit is in some list, so its largest position (>= 0) replaces any negative start"),
     ("*wavefront_interleaved.x_simulate_interleaved*", r"^slot = np\.full\(\(n, m\), -1, dtype=np\.int64\)  ->  slot = np\.full\(\(n, m\), [-+][12], dtype=np\.int64\)$",
      "the pad is never read: a slot is read only for a pipeline whose count passes its index"),
+    ("*wavefront_interleaved.x_simulate_interleaved*", r"^if stop_above is not None and key % STOP_EVERY == 0 and key:  ->  if stop_above is not None and key % STOP_EVERY (!= 0|== 1) and key:$",
+     "speed only: the bound (a stage's finish so far plus the work it has left) holds after any "
+     "key, so checking it at other keys changes only how soon a run that cannot win stops"),
     ("*wavefront_interleaved.x_simulate_interleaved*", r"^per = 2 \* vpp \* pp  ->  per = 3 \* vpp \* pp$",
      "a micro-batch's block of node slots only has to hold its 2 vpp pp ops: a wider block "
      "leaves slots unused and every node apart"),

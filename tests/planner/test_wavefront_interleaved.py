@@ -61,6 +61,8 @@ def test_the_stop_counts_the_work_a_stage_has_left():
     assert simulate_interleaved(lists, dur, **kw).tolist() == [24.5]
     assert np.isinf(simulate_interleaved(lists, dur, stop_above=24.0, **kw)).all()
     assert simulate_interleaved(lists, dur, stop_above=24.5, **kw).tolist() == [24.5]
+    # a step equal to the value is no reason to stop, not even at 0 (units that take no time)
+    assert simulate_interleaved(lists, {}, stop_above=0.0, **kw).tolist() == [0.0]
 
 
 def test_a_ring_that_waits_for_its_slowest_member_by_hand():
