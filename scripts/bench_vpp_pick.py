@@ -51,15 +51,15 @@ def cell(hardware: str, model: str, dataset: str, context: int, vpps: list[int])
         as_planned = with_virtual_pipeline(flat, v, setup.cost_model, setup.topology).estimate.step_time_s
         cpu, full_cpu = [], []
         for _ in range(2):  # side by side, the better of two runs each
-            for early_stop, spent in ((False, full_cpu), (True, cpu)):
-                with contextlib.nullcontext() if early_stop else every_candidate_timed_in_full():
-                    start = time.process_time()
-                    plan = make_plan(lengths, virtual_pipeline_size=v, **kw)
-                    spent.append(time.process_time() - start)
-                if early_stop:
-                    picked = plan
-                elif plan != make_plan(lengths, virtual_pipeline_size=v, **kw):
-                    raise RuntimeError(f"{hardware} {model} {dataset} v={v}: the early stop changed the pick")
+            with every_candidate_timed_in_full():
+                start = time.process_time()
+                full = make_plan(lengths, virtual_pipeline_size=v, **kw)
+                full_cpu.append(time.process_time() - start)
+            start = time.process_time()
+            picked = make_plan(lengths, virtual_pipeline_size=v, **kw)
+            cpu.append(time.process_time() - start)
+            if picked != full:
+                raise RuntimeError(f"{hardware} {model} {dataset} v={v}: the early stop changed the pick")
         rows.append(dict(hardware=hardware, model=model, dataset=dataset, context=context, vpp=v,
                          flat=flat.estimate.step_time_s, flat_choice=_choice(flat), as_planned=as_planned,
                          picked=picked.estimate.step_time_s, picked_choice=_choice(picked),

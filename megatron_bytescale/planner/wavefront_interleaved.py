@@ -169,11 +169,12 @@ def simulate_interleaved_flat(pipeline: np.ndarray, index: np.ndarray, t: np.nda
         ready = np.maximum(stage_end[r, st], np.where(d >= 0, node_end[base + np.maximum(d, 0)], 0.0))
         me = base + own[a:b][op]
         np.maximum.at(node_end, me, ready)  # a ring starts when its last member is ready
-        end = node_end[me] + weight[ph[a:b][op], u]
+        w = weight[ph[a:b][op], u]
+        end = node_end[me] + w
         node_end[me] = end
         stage_end[r, st] = end
         if stop_above is not None:
-            left[r, st] -= weight[ph[a:b][op], u]  # one op per (pipeline, stage) and key
+            left[r, st] -= w  # one op per (pipeline, stage) and key
     return stage_end.max(axis=1)
 
 

@@ -66,8 +66,9 @@ def finish_times(request: PlanRequest, placements: Sequence[Placement], cost_mod
 
     ``stop_above``: ``inf`` for every rank as soon as the step is known to exceed it (a
     candidate that cannot beat the best so far; :func:`..wavefront.simulate_wavefront_flat`, or
-    with virtual stages :func:`..wavefront_interleaved.simulate_interleaved_flat`). ``vpp`` > 1: timed with that many virtual stages per stage, as the plan
-    emitted with ``virtual_pipeline_size = vpp`` is estimated."""
+    with virtual stages :func:`..wavefront_interleaved.simulate_interleaved_flat`). ``vpp`` > 1:
+    timed with that many virtual stages per stage, as the plan emitted with
+    ``virtual_pipeline_size = vpp`` is estimated."""
     n = request.hdp_size
     topo = Topology.of(request.cost_model, request.topology)
     topo.check_size(n)
